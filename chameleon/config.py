@@ -1,0 +1,205 @@
+"""Structured configs (Hydra ConfigStore schemas), config discovery and semantic validation.
+
+The schema types every key; :func:`validate` then checks what types cannot —
+that the parallel layout fits the workers, the batch divides into micro-batches,
+the model fits in memory — and raises :class:`ConfigError` naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from chameleon.layout.plan import Plan, PlanError, even_plan, plan_from_spec
+from chameleon.model.config import ModelConfig
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def _resource_dir(name: str) -> Path:
+    """``conf``/``recipes`` inside an installed wheel, else beside the source package."""
+    installed = _PACKAGE_DIR / name
+    return installed if installed.is_dir() else _PACKAGE_DIR.parent / name
+
+
+CONF_DIR = _resource_dir("conf")
+RECIPES_DIR = _resource_dir("recipes")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key and the fix."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    global_batch: int = 16
+    micro_batch: int = 4
+    seq_len: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # a UTF-8 text file; None trains on the bundled corpus
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    # Explicit (possibly uneven) pipelines, overriding dp/pp:
+    # [{layers: [[0, 3], [3, 6], [6, 8]], micro_batches: 3}, {layers: [2, 2, 2, 2], micro_batches: 1}]
+    pipelines: list[Any] | None = None
+
+
+@dataclass
+class LauncherConfig:
+    nproc: int = 1
+    device: str = "cpu"  # cpu (gloo) | cuda (nccl) | npu (hccl)
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 picks a free port
+    timeout_s: float = 60.0
+    threads_per_worker: int = 1
+    memory_per_device_gb: float | None = None  # None: this host's RAM (cpu) or the device's memory
+
+
+@dataclass
+class FailureConfig:
+    kind: str = "none"
+
+
+@dataclass
+class OutputConfig:
+    progress: bool = True  # a progress bar on stderr
+    save_params: bool = True  # final_params.pt in the run dir
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+def register_configs() -> None:
+    """Register the schema and every ``recipes/*.yaml`` (as group ``recipe``) with Hydra."""
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+
+
+def to_container(cfg: DictConfig) -> dict:
+    """A plain, resolved dict of the config (picklable; what workers receive)."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+def model_config(cfg: DictConfig | dict) -> ModelConfig:
+    """The typed :class:`ModelConfig` of a composed config."""
+    model = cfg["model"]
+    if isinstance(model, DictConfig):
+        model = OmegaConf.to_container(model, resolve=True)
+    return ModelConfig(**model)
+
+
+def build_plan(cfg: DictConfig | dict) -> Plan:
+    """The failure-free plan of a config, from ``parallel.pipelines`` or ``parallel.dp/pp/tp``."""
+    par, train = cfg["parallel"], cfg["train"]
+    n_layers = cfg["model"]["n_layers"]
+    try:
+        if par["pipelines"]:
+            return plan_from_spec(
+                list(_plain(par["pipelines"])), tp=par["tp"], n_layers=n_layers,
+                global_batch=train["global_batch"], micro_batch=train["micro_batch"],
+            )
+        return even_plan(
+            dp=par["dp"], pp=par["pp"], tp=par["tp"], n_layers=n_layers,
+            global_batch=train["global_batch"], micro_batch=train["micro_batch"],
+        )
+    except PlanError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def validate(cfg: DictConfig) -> Plan:
+    """Check the config's semantics; return its plan.
+
+    Raises:
+        ConfigError: naming the offending key and the fix.
+    """
+    model, train, par, launcher = cfg.model, cfg.train, cfg.parallel, cfg.launcher
+    _check(launcher.device in ("cpu", "cuda", "npu"), f"launcher.device={launcher.device!r}: use cpu, cuda or npu")
+    _check(launcher.nproc >= 1, f"launcher.nproc={launcher.nproc}: need at least one worker")
+    for key in ("steps", "global_batch", "micro_batch", "seq_len"):
+        _check(train[key] >= 1, f"train.{key}={train[key]}: must be ≥ 1")
+    _check(train.lr > 0, f"train.lr={train.lr}: must be > 0")
+    for key in ("dp", "pp", "tp"):
+        _check(par[key] >= 1, f"parallel.{key}={par[key]}: must be ≥ 1")
+    _check(model.dim % model.n_heads == 0, f"model.dim={model.dim} is not divisible by model.n_heads={model.n_heads}")
+    _check(
+        model.n_heads % model.n_kv_heads == 0,
+        f"model.n_heads={model.n_heads} is not a multiple of model.n_kv_heads={model.n_kv_heads}",
+    )
+    _check(train.seq_len <= model.max_seq_len, f"train.seq_len={train.seq_len} exceeds model.max_seq_len={model.max_seq_len}")
+    _check(
+        model.n_kv_heads % par.tp == 0,
+        f"parallel.tp={par.tp} does not divide model.n_kv_heads={model.n_kv_heads}: pick a tp that divides it",
+    )
+    if not par.pipelines:
+        world = par.dp * par.pp * par.tp
+        _check(
+            world == launcher.nproc,
+            f"parallel.dp·pp·tp = {par.dp}·{par.pp}·{par.tp} = {world} but launcher.nproc={launcher.nproc}: "
+            f"set launcher.nproc={world} or change the layout",
+        )
+        _check(par.pp <= model.n_layers, f"parallel.pp={par.pp} exceeds model.n_layers={model.n_layers}: use at most one stage per layer")
+    plan = build_plan(cfg)
+    _check(
+        len(plan.devices) == launcher.nproc,
+        f"parallel.pipelines use {len(plan.devices)} devices but launcher.nproc={launcher.nproc}: "
+        f"set launcher.nproc={len(plan.devices)}",
+    )
+    _check_memory(cfg, plan)
+    return plan
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_memory(cfg: DictConfig, plan: Plan) -> None:
+    """Refuse plans whose per-device state cannot fit; say how to shrink."""
+    from chameleon.runtime.memory import device_memory_bytes, plan_memory_bytes
+
+    need = plan_memory_bytes(model_config(cfg), plan, seq_len=cfg.train.seq_len)
+    per_device, total = device_memory_bytes(cfg.launcher)
+    worst = max(need.values())
+    if worst <= per_device and sum(need.values()) <= total:
+        return
+    gib = 2**30
+    raise ConfigError(
+        f"model '{cfg.model.name}' needs {worst / gib:.1f} GiB on its busiest device and "
+        f"{sum(need.values()) / gib:.1f} GiB over {len(need)} devices, but launcher.device={cfg.launcher.device} "
+        f"offers {per_device / gib:.1f} GiB per device and {total / gib:.1f} GiB in all: shrink the model by "
+        "override (e.g. model.n_layers=4 model.dim=256 model.n_heads=4 model.n_kv_heads=4 train.seq_len=128), "
+        "or plan and simulate it instead (python -m chameleon.plan / python -m chameleon.simulate)"
+    )

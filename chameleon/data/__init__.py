@@ -1,0 +1,1 @@
+"""Real text, a byte-level tokenizer, and the deterministic global sample stream."""

@@ -1,0 +1,1 @@
+"""Plans, the sharding layouts they imply, and re-layout manifests."""

@@ -1,0 +1,244 @@
+"""Execution plans: pipelines of stages, each stage a TP group running a layer range.
+
+A plan is pure data. Every other part of Chameleon (layouts, schedules, the
+estimator, the planner, the runtime) reads it; nothing mutates it. Pipelines may
+differ in length (uneven plans), and a stage whose devices died may have its
+micro-batches rerouted to the same stage of peer pipelines.
+
+Step ``k`` always trains the global samples ``[k·B, (k+1)·B)``. They are cut into
+``B / micro_batch_size`` micro-batches; pipeline ``j`` runs the contiguous block of
+micro-batches given by :func:`micro_batch_ranges`, so which micro-batch a sample
+lands in is a function of the plan alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class PlanError(ValueError):
+    """A plan that cannot run; the message names the config key and the fix."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: the devices of its TP group and its layers ``[start, stop)``.
+
+    A stage with no devices lost them all; a :class:`Reroute` must then say who
+    runs its micro-batches.
+    """
+
+    devices: tuple[int, ...]
+    layers: tuple[int, int]
+
+    @property
+    def tp(self) -> int:
+        return len(self.devices)
+
+    @property
+    def n_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A full model replica split into consecutive stages, with its micro-batch share."""
+
+    stages: tuple[Stage, ...]
+    micro_batches: int
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(d for s in self.stages for d in s.devices)
+
+
+@dataclass(frozen=True)
+class Reroute:
+    """Micro-batches of a device-less stage, run by the same stage of peer pipelines.
+
+    Micro-batch ``i`` (counted within the rerouted pipeline) is run, forward and
+    backward, by the stage ``stage`` of pipeline ``hosts[i % len(hosts)]``.
+    """
+
+    pipeline: int
+    stage: int
+    hosts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole job's layout: pipelines, micro-batch size and any reroutes."""
+
+    n_layers: int
+    micro_batch_size: int
+    pipelines: tuple[Pipeline, ...]
+    reroutes: tuple[Reroute, ...] = field(default=())
+
+    @property
+    def dp(self) -> int:
+        return len(self.pipelines)
+
+    @property
+    def n_micro_batches(self) -> int:
+        return sum(p.micro_batches for p in self.pipelines)
+
+    @property
+    def global_batch(self) -> int:
+        return self.n_micro_batches * self.micro_batch_size
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Every device the plan uses, in pipeline-then-stage order."""
+        return tuple(d for p in self.pipelines for d in p.devices)
+
+    def is_even(self) -> bool:
+        """True when every pipeline has the same stages (layer ranges and TP) and share."""
+        first = self.pipelines[0]
+        shape = [(s.layers, s.tp) for s in first.stages]
+        return not self.reroutes and all(
+            [(s.layers, s.tp) for s in p.stages] == shape and p.micro_batches == first.micro_batches
+            for p in self.pipelines
+        )
+
+    def describe(self) -> str:
+        """One line per pipeline, e.g. ``pipe0 [0:2|2:4] tp1 ×4mb on 0,1``."""
+        lines = []
+        for j, p in enumerate(self.pipelines):
+            stages = "|".join(f"{s.layers[0]}:{s.layers[1]}" for s in p.stages)
+            tps = sorted({s.tp for s in p.stages if s.devices})
+            devs = ",".join(map(str, p.devices))
+            lines.append(f"pipe{j} [{stages}] tp{'/'.join(map(str, tps))} ×{p.micro_batches}mb on {devs}")
+        for r in self.reroutes:
+            lines.append(f"reroute pipe{r.pipeline} stage{r.stage} → pipes {','.join(map(str, r.hosts))}")
+        return "\n".join(lines)
+
+
+def micro_batch_ranges(plan: Plan) -> list[range]:
+    """The global micro-batch indices each pipeline runs, as contiguous ranges."""
+    ranges, start = [], 0
+    for p in plan.pipelines:
+        ranges.append(range(start, start + p.micro_batches))
+        start += p.micro_batches
+    return ranges
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    """Split ``n_layers`` into ``n_stages`` contiguous ranges as evenly as possible.
+
+    The remainder goes to the last stages: early stages of 1F1B hold the most
+    in-flight activations and also carry the embedding.
+    """
+    base, extra = divmod(n_layers, n_stages)
+    sizes = [base + (1 if s >= n_stages - extra else 0) for s in range(n_stages)]
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def even_plan(*, dp: int, pp: int, tp: int, n_layers: int, global_batch: int, micro_batch: int) -> Plan:
+    """The failure-free plan from ``parallel.dp/pp/tp``: pipeline ``j`` owns a contiguous rank block."""
+    n_micro = _micro_batch_count(global_batch, micro_batch)
+    if pp > n_layers:
+        raise PlanError(f"parallel.pp={pp} exceeds model.n_layers={n_layers}: use at most one stage per layer")
+    if n_micro % dp:
+        raise PlanError(
+            f"train.global_batch/train.micro_batch = {n_micro} micro-batches cannot be split evenly over "
+            f"parallel.dp={dp} pipelines: make it a multiple of {dp}"
+        )
+    layer_ranges = split_layers(n_layers, pp)
+    pipelines = []
+    for j in range(dp):
+        stages = tuple(
+            Stage(devices=tuple(range((j * pp + s) * tp, (j * pp + s + 1) * tp)), layers=layer_ranges[s])
+            for s in range(pp)
+        )
+        pipelines.append(Pipeline(stages=stages, micro_batches=n_micro // dp))
+    plan = Plan(n_layers=n_layers, micro_batch_size=micro_batch, pipelines=tuple(pipelines))
+    validate_plan(plan)
+    return plan
+
+
+def plan_from_spec(
+    spec: list[dict], *, tp: int, n_layers: int, global_batch: int, micro_batch: int
+) -> Plan:
+    """An explicit (possibly uneven) plan from ``parallel.pipelines``.
+
+    Each entry is ``{"layers": [[0, 3], [3, 6], [6, 8]], "micro_batches": 3}``; a
+    stage given as an integer ``n`` means "the next n layers". Devices are handed
+    out in order, ``tp`` per stage.
+    """
+    pipelines, next_device = [], 0
+    for j, entry in enumerate(spec):
+        stages, start = [], 0
+        for s, item in enumerate(entry["layers"]):
+            if isinstance(item, int):
+                lo, hi = start, start + item
+            else:
+                lo, hi = int(item[0]), int(item[1])
+            stages.append(Stage(devices=tuple(range(next_device, next_device + tp)), layers=(lo, hi)))
+            next_device += tp
+            start = hi
+        pipelines.append(Pipeline(stages=tuple(stages), micro_batches=int(entry["micro_batches"])))
+    plan = Plan(n_layers=n_layers, micro_batch_size=micro_batch, pipelines=tuple(pipelines))
+    n_micro = _micro_batch_count(global_batch, micro_batch)
+    if plan.n_micro_batches != n_micro:
+        raise PlanError(
+            f"parallel.pipelines micro_batches sum to {plan.n_micro_batches}, but "
+            f"train.global_batch/train.micro_batch = {n_micro}: make the shares add up to {n_micro}"
+        )
+    validate_plan(plan)
+    return plan
+
+
+def validate_plan(plan: Plan) -> None:
+    """Raise :class:`PlanError` unless every pipeline covers every layer once and devices are unique."""
+    if not plan.pipelines:
+        raise PlanError("parallel.pipelines is empty: give at least one pipeline")
+    seen: set[int] = set()
+    for j, p in enumerate(plan.pipelines):
+        if p.micro_batches < 1:
+            raise PlanError(f"parallel.pipelines[{j}].micro_batches={p.micro_batches}: every pipeline needs ≥ 1")
+        expect = 0
+        for s, stage in enumerate(p.stages):
+            lo, hi = stage.layers
+            if lo != expect or hi <= lo:
+                raise PlanError(
+                    f"parallel.pipelines[{j}] stage {s} has layers [{lo}, {hi}) but should start at {expect} "
+                    "and be non-empty: stages must tile [0, model.n_layers) in order"
+                )
+            expect = hi
+            for d in stage.devices:
+                if d in seen:
+                    raise PlanError(f"device {d} appears twice in the plan: each device runs one stage")
+                seen.add(d)
+        if expect != plan.n_layers:
+            raise PlanError(
+                f"parallel.pipelines[{j}] covers layers [0, {expect}) but model.n_layers={plan.n_layers}: "
+                "the last stage must end at n_layers"
+            )
+    rerouted = {(r.pipeline, r.stage) for r in plan.reroutes}
+    for j, p in enumerate(plan.pipelines):
+        for s, stage in enumerate(p.stages):
+            if not stage.devices and (j, s) not in rerouted:
+                raise PlanError(f"pipeline {j} stage {s} has no devices and no reroute")
+    for r in plan.reroutes:
+        lost = plan.pipelines[r.pipeline].stages[r.stage]
+        for h in r.hosts:
+            host = plan.pipelines[h].stages
+            if r.stage >= len(host) or host[r.stage].layers != lost.layers or not host[r.stage].devices:
+                raise PlanError(f"reroute host pipeline {h} has no live stage {r.stage} with layers {lost.layers}")
+
+
+def _micro_batch_count(global_batch: int, micro_batch: int) -> int:
+    if micro_batch < 1 or global_batch % micro_batch:
+        raise PlanError(
+            f"train.global_batch={global_batch} is not divisible by train.micro_batch={micro_batch}: "
+            "pick a micro-batch that divides the global batch"
+        )
+    return global_batch // micro_batch

@@ -1,0 +1,1 @@
+"""Functional Llama-2: configuration, parameter tree, initialisation and stage forward."""

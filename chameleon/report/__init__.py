@@ -1,0 +1,1 @@
+"""Run outputs: per-step metrics, events, the summary, and plots."""

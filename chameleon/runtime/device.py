@@ -1,0 +1,33 @@
+"""Device selection per worker: CPU (gloo), CUDA (nccl) or Ascend NPU (hccl via torch_npu)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def prepare_device(kind: str, *, local_rank: int) -> torch.device:
+    """Bind this worker to its device; torch_npu is imported only when ``kind == "npu"``.
+
+    Raises:
+        RuntimeError: naming ``launcher.device`` when the backend is not available.
+    """
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("launcher.device=cuda but no CUDA device is visible: use launcher.device=cpu")
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401 - registers the npu device and hccl
+        except ImportError as err:
+            raise RuntimeError(
+                f"launcher.device=npu needs torch_npu matching torch {torch.__version__} and the Ascend CANN "
+                f"toolkit (pip install 'chameleon[npu]'): {err}"
+            ) from err
+        index = local_rank % torch.npu.device_count()
+        torch.npu.set_device(index)
+        return torch.device("npu", index)
+    raise RuntimeError(f"launcher.device={kind!r}: use cpu, cuda or npu")
