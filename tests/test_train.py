@@ -1,0 +1,98 @@
+"""End-to-end training with real worker processes against the single-process reference."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from chameleon.config import CONF_DIR, register_configs
+from chameleon.model.config import ModelConfig
+from chameleon.model.llama import init_params, param_count
+from conftest import ENV, SMALL_RUN, relative_difference, run_entry
+
+TOLERANCE = 1e-5  # relative, fp32: only floating-point reassociation differs between layouts
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("launcher.nproc=2",),
+        ("launcher.nproc=4",),
+        ("launcher.nproc=4", "parallel.dp=2", "parallel.pp=2"),
+        ("launcher.nproc=4", "parallel.dp=1", "parallel.pp=4"),
+    ],
+    ids=["dp2", "dp4", "dp2xpp2", "pp4"],
+)
+def test_layout_reproduces_single_process(tmp_path, reference_run, layout):
+    run = run_entry("train", tmp_path / "run", *SMALL_RUN, *layout)
+    assert run.returncode == 0, run.stderr
+    ref, got = reference_run.summary, run.summary
+    assert got["steps_completed"] == ref["steps_completed"] == 6
+    for a, b in zip(got["losses"], ref["losses"], strict=True):
+        assert abs(a - b) <= TOLERANCE * abs(b)
+    assert relative_difference(run.params, reference_run.params) <= TOLERANCE
+    assert got["sample_ids_digest"] == ref["sample_ids_digest"]
+    assert run.stdout.strip().splitlines()[-1] == str(run.run_dir / "summary.json")
+
+
+def test_outputs(reference_run):
+    lines = [json.loads(x) for x in (reference_run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(6))
+    assert {"loss", "samples_per_s", "tokens_per_s", "step_time_s"} <= lines[0].keys()
+    summary = reference_run.summary
+    assert summary["world_size"] == 1 and summary["final_loss"] == summary["losses"][-1]
+    assert summary["losses"][-1] < summary["losses"][0]  # it learns
+    assert (reference_run.run_dir / ".hydra" / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (("launcher.nproc=3", "parallel.dp=2"), "launcher.nproc"),
+        (("launcher.nproc=8", "parallel.dp=1", "parallel.pp=8", "model.n_layers=4"), "parallel.pp"),
+        (("train.global_batch=10", "train.micro_batch=4"), "train.micro_batch"),
+        (("launcher.nproc=2", "parallel.tp=2", "parallel.dp=1", "model.n_kv_heads=1", "model.n_heads=4"), "parallel.tp"),
+        (("launcher.device=tpu",), "launcher.device"),
+        (("+recipe=llama7b",), "GiB"),
+    ],
+    ids=["world", "pp>layers", "batch", "tp", "device", "memory"],
+)
+def test_bad_config_fails_fast_with_one_line(tmp_path, overrides, key):
+    run = run_entry("train", tmp_path / "run", *overrides, timeout=60)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.parametrize(("recipe", "n_params"), [("llama7b", 6_738_415_616), ("llama70b", 68_976_648_192)])
+def test_recipes_compose_real_shapes_without_allocating(recipe, n_params):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"+recipe={recipe}"])
+    model = ModelConfig(**cfg.model)
+    assert param_count(model) == n_params
+    params = init_params(model, 0, device="meta")
+    assert all(t.is_meta for t in params.values())
+    assert sum(math.prod(t.shape) for t in params.values()) == n_params
+    assert cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.tp == cfg.launcher.nproc
+
+
+def test_multirun_writes_one_dir_per_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    cmd = [
+        sys.executable, "-m", "chameleon.train", "--multirun", f"hydra.sweep.dir={sweep}", "output.progress=false",
+        "launcher.nproc=1", *SMALL_RUN[1:], "train.steps=2", "train.lr=0.001,0.002",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ENV, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summaries = sorted(sweep.glob("*/summary.json"))
+    assert [p.parent.name for p in summaries] == ["0", "1"]
+    losses = [json.loads(p.read_text())["losses"] for p in summaries]
+    assert losses[0][0] == losses[1][0] and losses[0][1] != losses[1][1]  # same init, different lr
