@@ -14,8 +14,10 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from chameleon.decision.config import ClusterConfig, PlanQueryConfig, PolicyConfig
 from chameleon.layout.plan import Plan, PlanError, even_plan, plan_from_spec
 from chameleon.model.config import ModelConfig
+from chameleon.sim.config import SimConfig, TraceConfig
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -94,6 +96,11 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    plan: PlanQueryConfig = field(default_factory=PlanQueryConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
 
 
 def register_configs() -> None:

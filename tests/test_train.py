@@ -25,8 +25,12 @@ TOLERANCE = 1e-5  # relative, fp32: only floating-point reassociation differs be
         ("launcher.nproc=4",),
         ("launcher.nproc=4", "parallel.dp=2", "parallel.pp=2"),
         ("launcher.nproc=4", "parallel.dp=1", "parallel.pp=4"),
+        ("launcher.nproc=4", "parallel.dp=2", "parallel.tp=2"),
+        ("launcher.nproc=4", "parallel.dp=1", "parallel.pp=2", "parallel.tp=2"),
+        ("launcher.nproc=7", "parallel.pipelines=[{layers:[1,2,1],micro_batches:2},{layers:[1,1,1,1],micro_batches:2}]"),
+        ("launcher.nproc=5", "parallel.pipelines=[{layers:[2,2],micro_batches:1},{layers:[1,1,2],micro_batches:3}]"),
     ],
-    ids=["dp2", "dp4", "dp2xpp2", "pp4"],
+    ids=["dp2", "dp4", "dp2xpp2", "pp4", "dp2xtp2", "pp2xtp2", "uneven3+4", "uneven2+3"],
 )
 def test_layout_reproduces_single_process(tmp_path, reference_run, layout):
     run = run_entry("train", tmp_path / "run", *SMALL_RUN, *layout)

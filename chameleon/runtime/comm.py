@@ -77,7 +77,7 @@ class Generation:
         if len(ranks) == self.world:
             return dist.group.WORLD
         if ranks not in self._subgroups:
-            self._subgroups[ranks] = dist.new_group(list(ranks), timeout=self.timeout, use_local_synchronization=True)
+            self._subgroups[ranks] = dist.new_group(list(ranks), timeout=self.timeout)
         return self._subgroups[ranks] if self.rank in ranks else None
 
     def check(self) -> None:

@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from chameleon.config import model_config
 from chameleon.data.stream import sample_ids_digest
 from chameleon.layout.plan import Plan
+from chameleon.model.llama import param_shapes
 from chameleon.report.outputs import JsonLines, write_json
 from chameleon.runtime.worker import WorkerSpec, worker_main
 
@@ -81,7 +83,7 @@ def run_training(config: dict, *, plan: Plan, run_dir: Path) -> Path:
     finally:
         _reap(procs)
     if config["output"]["save_params"]:
-        _merge_params(run_dir)
+        _merge_params(run_dir, param_shapes(model_config(config)))
     return _write_summary(run_dir, config=config, plan=plan, result=result)
 
 
@@ -182,16 +184,18 @@ def _reap(procs: list) -> None:
             proc.join()
 
 
-def _merge_params(run_dir: Path) -> None:
-    """Merge the per-rank parameter files of pipeline 0 into ``final_params.pt``."""
+def _merge_params(run_dir: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Assemble pipeline 0's parameter shards (one file per rank) into full tensors in ``final_params.pt``."""
     parts = sorted((run_dir / ".params").glob("rank*.pt"))
     merged: dict[str, torch.Tensor] = {}
     for part in parts:
-        merged.update(torch.load(part, weights_only=True))
+        for name, (region, shard) in torch.load(part, weights_only=True).items():
+            full = merged.setdefault(name, torch.empty(shapes[name]))
+            full[tuple(slice(a, b) for a, b in region)] = shard
         part.unlink()
     if parts:
         (run_dir / ".params").rmdir()
-        torch.save(merged, run_dir / "final_params.pt")
+        torch.save({n: merged[n] for n in shapes if n in merged}, run_dir / "final_params.pt")
 
 
 def _write_summary(run_dir: Path, *, config: dict, plan: Plan, result: RunResult) -> Path:

@@ -15,11 +15,15 @@ import torch
 import torch.distributed as dist
 
 from chameleon.data.stream import SampleStream, micro_batch_samples
+from chameleon.layout.colouring import SyncGroup
 from chameleon.layout.plan import Plan, micro_batch_ranges
 from chameleon.model.config import ModelConfig
-from chameleon.model.llama import stage_forward
+from chameleon.model.llama import TensorParallelOps, stage_forward
 from chameleon.runtime.comm import Generation
 from chameleon.runtime.stage import Role, StageState
+
+
+SyncRounds = tuple[tuple[SyncGroup, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ def run_step(
     gen: Generation,
     model: ModelConfig,
     train: dict,
+    rounds: SyncRounds,
+    tp: TensorParallelOps | None,
 ) -> StepResult:
     """Forward and backward of this device's micro-batches in 1F1B order, then the gradient sync.
 
@@ -102,7 +108,7 @@ def run_step(
                 x.requires_grad_(True)
             out = stage_forward(
                 state.params, model, x, layers=role.spec.layers, first=role.first, last=role.last,
-                targets=targets if role.last else None,
+                targets=targets if role.last else None, tp=tp,
             )
             if role.last:
                 out = out * scale
@@ -123,30 +129,25 @@ def run_step(
             if not role.first:
                 sends.append(dist.isend(x.grad.contiguous(), dst=prev_rank))
     gen.wait(*sends)
-    sync_gradients(plan, role=role, state=state, gen=gen)
+    sync_gradients(rounds, role=role, state=state, gen=gen)
     return result
 
 
-def even_sync_groups(plan: Plan) -> list[tuple[tuple[int, ...], tuple[int, int]]]:
-    """DP sync groups of an even plan: for each (stage, TP index), the devices across pipelines."""
-    first = plan.pipelines[0]
-    return [
-        (tuple(p.stages[s].devices[t] for p in plan.pipelines), (s, t))
-        for s, stage in enumerate(first.stages)
-        for t in range(stage.tp)
-    ]
+def sync_gradients(rounds: SyncRounds, *, role: Role, state: StageState, gen: Generation) -> None:
+    """Sum every gradient over the devices holding the same shard, round by coloured round.
 
-
-def sync_gradients(plan: Plan, *, role: Role, state: StageState, gen: Generation) -> None:
-    """Sum every gradient over the devices that hold the same parameter shard."""
-    for devices, _ in even_sync_groups(plan):
-        group = gen.group(devices)
-        if group is None or len(devices) == 1:
-            continue
-        grads = state.grads()
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        gen.all_reduce(flat, group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    Every rank walks the same rounds in the same order; within a round the groups
+    are device-disjoint, so this device is in at most one and reduces one bucket.
+    """
+    for groups in rounds:
+        for sync in groups:
+            group = gen.group(sync.devices)
+            if group is None:
+                continue
+            grads = state.grads(sync.names)
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            gen.all_reduce(flat, group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from chameleon.layout.plan import Plan, Stage
+from chameleon.layout.spec import Region, local_slices, placements_for, shard_region
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import init_params, stage_param_names
 
@@ -61,15 +62,23 @@ class StageState:
 
     names: list[str]
     params: dict[str, torch.Tensor]
+    regions: dict[str, Region]
     optimizer: torch.optim.AdamW
     device: torch.device
 
     @classmethod
     def create(cls, model: ModelConfig, role: Role, *, seed: int, train: dict, device: torch.device) -> StageState:
-        """Initialise the stage's parameters (identical to the single-process init) and AdamW."""
+        """Initialise the stage's parameters (this device's shards of the single-process init) and AdamW."""
         names = stage_param_names(model, role.spec.layers, first=role.first, last=role.last)
         full = init_params(model, seed, names=names)
-        params = {n: t.to(device).requires_grad_(True) for n, t in full.items()}
+        regions = {
+            n: shard_region(tuple(t.shape), placements_for(n), role.tp_index, role.spec.tp) for n, t in full.items()
+        }
+        whole = {n: tuple((0, d) for d in t.shape) for n, t in full.items()}
+        params = {
+            n: t[local_slices(regions[n], whole[n])].contiguous().to(device).requires_grad_(True)
+            for n, t in full.items()
+        }
         optimizer = torch.optim.AdamW(
             [params[n] for n in names],
             lr=train["lr"],
@@ -77,12 +86,12 @@ class StageState:
             eps=train["eps"],
             weight_decay=train["weight_decay"],
         )
-        return cls(names=names, params=params, optimizer=optimizer, device=device)
+        return cls(names=names, params=params, regions=regions, optimizer=optimizer, device=device)
 
-    def grads(self) -> list[torch.Tensor]:
-        """Gradients in canonical name order (zeros where a parameter got none)."""
+    def grads(self, names: tuple[str, ...] | list[str]) -> list[torch.Tensor]:
+        """Gradients of ``names`` (zeros where a parameter got none)."""
         out = []
-        for n in self.names:
+        for n in names:
             p = self.params[n]
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -93,6 +102,6 @@ class StageState:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def detached_params(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of the stage's parameters, keyed by name."""
-        return {n: self.params[n].detach().to("cpu").clone() for n in self.names}
+    def shards(self) -> dict[str, tuple[Region, torch.Tensor]]:
+        """A CPU copy of this device's parameter shards with the region each covers."""
+        return {n: (self.regions[n], self.params[n].detach().to("cpu").clone()) for n in self.names}

@@ -12,6 +12,7 @@ import os
 import time
 import traceback
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -19,10 +20,14 @@ import torch
 
 from chameleon.config import build_plan, model_config
 from chameleon.data.stream import SampleStream
+from chameleon.layout.colouring import sync_rounds
+from chameleon.layout.plan import Plan
+from chameleon.layout.spec import layout_of
+from chameleon.model.llama import ProcessGroupTP, param_shapes, stage_param_names
 from chameleon.runtime.comm import Generation, connect_store
 from chameleon.runtime.device import prepare_device
 from chameleon.runtime.schedule import run_step
-from chameleon.runtime.stage import StageState, role_of
+from chameleon.runtime.stage import Role, StageState, role_of
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,17 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     conn.close()
 
 
+def _create_groups(gen: Generation, plan: Plan, rounds, role: Role) -> ProcessGroupTP | None:
+    """Create every sync and TP group on every rank, in one order; return this stage's TP ops."""
+    for groups in rounds:
+        for sync in groups:
+            gen.group(sync.devices)
+    tp_meshes = [stage.devices for pipe in plan.pipelines for stage in pipe.stages if stage.tp > 1]
+    for devices in tp_meshes:
+        gen.group(devices)
+    return ProcessGroupTP(gen.group(role.spec.devices)) if role.spec.tp > 1 else None
+
+
 def _train(spec: WorkerSpec, conn: Connection) -> None:
     cfg = spec.config
     launcher, train = cfg["launcher"], cfg["train"]
@@ -61,16 +77,22 @@ def _train(spec: WorkerSpec, conn: Connection) -> None:
     )
     role = role_of(plan, spec.rank)
     state = StageState.create(model, role, seed=train["seed"], train=train, device=device)
+    layout = layout_of(plan, param_shapes(model), partial(stage_param_names, model))
+    rounds = sync_rounds(layout)
+    tp = _create_groups(gen, plan, rounds, role)
     stream = SampleStream.from_config(path=cfg["data"]["path"], seq_len=train["seq_len"], seed=train["seed"])
     conn.send(("ready", spec.rank))
     for step in range(train["steps"]):
         start = time.perf_counter()
-        result = run_step(step, plan=plan, role=role, state=state, stream=stream, gen=gen, model=model, train=train)
+        result = run_step(
+            step, plan=plan, role=role, state=state, stream=stream, gen=gen, model=model, train=train,
+            rounds=rounds, tp=tp,
+        )
         state.optimizer_step()
         conn.send(("step", spec.rank, step, result.loss_sum, result.sample_ids, time.perf_counter() - start))
     if cfg["output"]["save_params"] and role.pipeline == 0:
         params_dir = Path(spec.run_dir) / ".params"
         params_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(state.detached_params(), params_dir / f"rank{spec.rank}.pt")
+        torch.save(state.shards(), params_dir / f"rank{spec.rank}.pt")
     gen.close()
     conn.send(("done", spec.rank))

@@ -1,0 +1,97 @@
+"""Estimated vs measured step time of real training runs on this machine.
+
+Run: ``python benchmarks/bench_estimator.py [--steps 15] [--plans dp4 pp4 ...]``.
+
+The tiny model is profiled with the real profiler (``cluster=local``, a fresh
+measurement in a temporary cache unless ``--cache-dir`` is given), then each plan
+trains for ``--steps`` steps with ``python -m chameleon.train`` (real worker
+processes, gloo) and its ``mean_step_time_s`` (steps after the first) is set
+beside ``estimate_step`` of the same composed plan. Rerouted plans are not
+measured: the runtime does not execute reroutes yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from chameleon.config import CONF_DIR, build_plan, model_config, register_configs
+from chameleon.decision.config import ClusterConfig
+from chameleon.decision.estimator import estimate_step
+from chameleon.decision.profiler import load_profile
+
+SHAPE = ("train.seq_len=64", "train.global_batch=16", "train.micro_batch=4")
+PLANS = {
+    "dp1": ("launcher.nproc=1",),
+    "dp4": ("launcher.nproc=4", "parallel.dp=4"),
+    "dp2×pp2": ("launcher.nproc=4", "parallel.dp=2", "parallel.pp=2"),
+    "pp4": ("launcher.nproc=4", "parallel.dp=1", "parallel.pp=4"),
+    "pp2+pp3": ("launcher.nproc=5", "parallel.pipelines=[{layers:[2,2],micro_batches:2},{layers:[1,1,2],micro_batches:2}]"),
+    "pp3+pp4": ("launcher.nproc=7", "parallel.pipelines=[{layers:[1,1,2],micro_batches:2},{layers:[1,1,1,1],micro_batches:2}]"),
+    "dp2×tp2": ("launcher.nproc=4", "parallel.dp=2", "parallel.tp=2"),
+}
+
+
+def measure(overrides: tuple[str, ...], run_dir: Path, steps: int) -> dict:
+    """Train with ``overrides`` in real worker processes; the run's summary.json."""
+    cmd = [sys.executable, "-m", "chameleon.train", f"hydra.run.dir={run_dir}", "output.progress=false",
+           f"train.steps={steps}", *SHAPE, *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
+    parser.add_argument("--cache-dir", default=None, help="profile cache (default: a fresh temporary one)")
+    args = parser.parse_args()
+    register_configs()
+    print("command:", shlex.join([sys.executable] + sys.argv))
+    print(f"env: Python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        base = compose(config_name="config", overrides=list(SHAPE))
+        cluster = replace(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ClusterConfig), base.cluster)),
+                          cache_dir=args.cache_dir or tmp)
+        model = model_config(base)
+        profile = load_profile(model, cluster, micro_batch=base.train.micro_batch, seq_len=base.train.seq_len,
+                               threads=base.launcher.threads_per_worker)
+        print(f"profile: {profile.source}; layer fwd {profile.layer_fwd_s * 1e3:.2f} ms, bwd "
+              f"{profile.layer_bwd_s * 1e3:.2f} ms, head fwd {profile.last_fwd_s * 1e3:.2f} ms, "
+              f"bwd {profile.last_bwd_s * 1e3:.2f} ms, p2p {profile.p2p_latency_s * 1e6:.0f} µs, "
+              f"all-reduce {profile.dp_latency_s * 1e6:.0f} µs + {profile.dp_bw / 1e9:.2f} GB/s")
+        print(f"{'plan':<9} {'procs':>5} {'est. s':>8} {'meas. s':>8} {'error':>7}  estimate parts")
+        errors = []
+        for name in args.plans:
+            cfg = compose(config_name="config", overrides=[*SHAPE, *PLANS[name]])
+            plan = build_plan(cfg)
+            est = estimate_step(profile, plan)
+            summary = measure(PLANS[name], Path(tmp) / name.replace("×", "x").replace("+", "_"), args.steps)
+            measured = summary["mean_step_time_s"]
+            errors.append(abs(est.t_step - measured) / measured)
+            print(f"{name:<9} {cfg.launcher.nproc:>5} {est.t_step:>8.4f} {measured:>8.4f} "
+                  f"{100 * (est.t_step - measured) / measured:>+6.1f}%  compute {est.compute:.4f}, sync "
+                  f"{est.sync:.4f} ({est.sync_rounds} rounds), optimizer {est.optimizer:.4f}", flush=True)
+    print(f"median |error| {100 * statistics.median(errors):.1f}% over {len(errors)} plans "
+          f"(goal ≤ 10%); max {100 * max(errors):.1f}%")
+
+
+if __name__ == "__main__":
+    main()

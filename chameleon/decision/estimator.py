@@ -1,0 +1,288 @@
+"""Performance model: step time, memory and transition cost of a plan (paper Eqs. 9–14).
+
+Step time = slowest pipeline's 1F1B schedule (Eq. 10/11, an exact longest path
+through the schedule's dependency DAG, stages may differ) + rerouting's extra
+slots (Eq. 12/13) + coloured DP gradient-sync rounds + the optimizer step. Stage
+costs fold the point-to-point activation transfer into the sending stage
+(blocking send), so the closed form ``fill + (m−1)·bottleneck`` is exact for
+uniform stages (Eq. 9). Memory follows Eq. 14 with the embedding and head on the
+first and last stages and ``min(n_stages − s, m)`` activations in flight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from chameleon.decision.profiler import Profile
+from chameleon.layout.plan import Plan, Stage
+
+REROUTE_SLOTS = ("max", "sum")
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """Estimated step time of a plan and its parts (seconds)."""
+
+    t_step: float
+    compute: float
+    reroute: float
+    sync: float
+    optimizer: float
+    sync_rounds: int
+    pipelines: tuple[float, ...]
+
+
+def stage_cost(profile: Profile, n_layers: int, *, first: bool, last: bool) -> tuple[float, float]:
+    """Forward and backward seconds per micro-batch of a stage, including its p2p sends."""
+    p2p = profile.p2p_latency_s + profile.boundary_bytes / profile.p2p_bw
+    fwd = n_layers * profile.layer_fwd_s + (profile.first_fwd_s if first else 0.0)
+    bwd = n_layers * profile.layer_bwd_s + (profile.first_bwd_s if first else 0.0)
+    if last:
+        fwd += profile.last_fwd_s
+        bwd += profile.last_bwd_s
+    return fwd + (0.0 if last else p2p), bwd + (0.0 if first else p2p)
+
+
+def stage_params(profile: Profile, n_layers: int, *, first: bool, last: bool) -> int:
+    """Whole (unsharded) parameter count of a stage."""
+    return n_layers * profile.layer_params + (profile.first_params if first else 0) + (profile.last_params if last else 0)
+
+
+def stage_memory(profile: Profile, n_layers: int, *, first: bool, last: bool, in_flight: int) -> float:
+    """Eq. 14: parameter + gradient + optimizer bytes, plus ``in_flight`` micro-batches of activations."""
+    acts = n_layers * profile.layer_act_bytes + (profile.first_act_bytes if first else 0)
+    acts += profile.last_act_bytes if last else 0
+    return profile.state_bytes(stage_params(profile, n_layers, first=first, last=last)) + in_flight * acts
+
+
+def one_f_one_b_order(n_stages: int, stage: int, n_micro: int) -> list[tuple[bool, int]]:
+    """The op sequence of ``stage`` under 1F1B: ``(is_backward, micro_batch)`` pairs."""
+    warm = min(n_stages - stage - 1, n_micro)
+    ops = [(False, m) for m in range(warm)]
+    for i in range(n_micro - warm):
+        ops += [(False, warm + i), (True, i)]
+    return ops + [(True, m) for m in range(n_micro - warm, n_micro)]
+
+
+def pipeline_time(fwd: list[float], bwd: list[float], n_micro: int) -> float:
+    """Eq. 11: the longest path through one pipeline's 1F1B DAG, O(stages · micro-batches).
+
+    An op starts when the previous op on its stage and its data dependency
+    (F on the stage above, B on the stage below) have finished.
+    """
+    n_stages = len(fwd)
+    orders = [one_f_one_b_order(n_stages, s, n_micro) for s in range(n_stages)]
+    f_end = [[-1.0] * n_micro for _ in range(n_stages)]
+    b_end = [[-1.0] * n_micro for _ in range(n_stages)]
+    clock, pos = [0.0] * n_stages, [0] * n_stages
+    remaining = 2 * n_stages * n_micro
+    sweep = list(range(n_stages)) + list(range(n_stages - 1, -1, -1))
+    while remaining:
+        for s in sweep:
+            order, i = orders[s], pos[s]
+            while i < len(order):
+                is_b, m = order[i]
+                if is_b:
+                    dep = b_end[s + 1][m] if s + 1 < n_stages else f_end[s][m]
+                else:
+                    dep = f_end[s - 1][m] if s else 0.0
+                if dep < 0:
+                    break
+                end = max(clock[s], dep) + (bwd[s] if is_b else fwd[s])
+                (b_end if is_b else f_end)[s][m] = end
+                clock[s] = end
+                i += 1
+                remaining -= 1
+            pos[s] = i
+    return max(clock)
+
+
+def _pipeline_costs(profile: Profile, stages: tuple[Stage, ...]) -> tuple[list[float], list[float]]:
+    last = len(stages) - 1
+    costs = [stage_cost(profile, st.n_layers, first=s == 0, last=s == last) for s, st in enumerate(stages)]
+    return [c[0] for c in costs], [c[1] for c in costs]
+
+
+def sync_rounds(plan: Plan) -> list[tuple[int, list[int], tuple[int, ...]]]:
+    """DP gradient-sync buckets: ``(group_size, model_units, holders)``, one per distinct group.
+
+    Layers (and the embedding/head units) held by the same set of stages across
+    pipelines are bucketed into one all-reduce; members are stage ids ``(j, s)``
+    flattened to ints so two buckets conflict when they share a stage.
+    """
+    n_layers = plan.n_layers
+    held_by: list[list[tuple[int, int]]] = [[] for _ in range(n_layers + 2)]  # model unit u at index u + 1
+    for j, p in enumerate(plan.pipelines):
+        for s, st in enumerate(p.stages):
+            if not st.devices:
+                continue
+            lo, hi = st.layers
+            for u in range(lo + (s > 0), hi + 1 + (s == p.n_stages - 1)):
+                held_by[u].append((j, s))
+    units: dict[tuple[tuple[int, int], ...], list[int]] = {}
+    for unit in range(-1, n_layers + 1):
+        units.setdefault(tuple(held_by[unit + 1]), []).append(unit)
+    buckets = []
+    width = max(p.n_stages for p in plan.pipelines)
+    for holders, members in units.items():
+        buckets.append((len(holders), members, tuple(j * width + s for j, s in holders)))
+    return buckets
+
+
+def colour_rounds(buckets: list[tuple[float, int, tuple[int, ...]]]) -> list[list[int]]:
+    """Greedy colouring of ``(params, first_unit, holders)`` buckets into rounds of disjoint groups.
+
+    Largest bucket first (ties by first model unit); each takes the first round
+    whose groups share no holder with it.
+    """
+    order = sorted(range(len(buckets)), key=lambda i: (-buckets[i][0], buckets[i][1]))
+    rounds: list[list[int]] = []
+    used: list[set[int]] = []
+    for i in order:
+        members = set(buckets[i][2])
+        for r, seen in enumerate(used):
+            if not seen & members:
+                rounds[r].append(i)
+                seen |= members
+                break
+        else:
+            rounds.append([i])
+            used.append(set(members))
+    return rounds
+
+
+def allreduce_time(profile: Profile, group_size: int, params: float) -> float:
+    """Ring all-reduce of ``params`` gradient elements (per device) over ``group_size`` units."""
+    if group_size < 2:
+        return 0.0
+    nbytes = params / profile.tp * profile.bytes_per_elem
+    return profile.dp_latency_s + 2 * (group_size - 1) / group_size * nbytes / profile.dp_bw
+
+
+def sync_time(profile: Profile, plan: Plan) -> tuple[float, int]:
+    """Seconds and rounds of the coloured DP gradient sync of a plan."""
+    buckets = [
+        (size, sum(unit_params(profile, plan.n_layers, u) for u in units), min(units), holders)
+        for size, units, holders in sync_rounds(plan)
+        if size > 1
+    ]
+    rounds = colour_rounds([(params, first, holders) for _, params, first, holders in buckets])
+    seconds = sum(max(allreduce_time(profile, buckets[i][0], buckets[i][1]) for i in r) for r in rounds)
+    return seconds, len(rounds)
+
+
+def optimizer_time(profile: Profile, plan: Plan) -> float:
+    """The optimizer step of the device holding the most parameters."""
+    most = max(
+        stage_params(profile, st.n_layers, first=s == 0, last=s == p.n_stages - 1)
+        for p in plan.pipelines for s, st in enumerate(p.stages) if st.devices
+    )
+    return most / profile.tp * profile.optimizer_s_per_param
+
+
+def reroute_extra(profile: Profile, plan: Plan, *, slots: str = "max") -> float:
+    """Eq. 12/13: extra 1F1B slots hosts run for device-less stages.
+
+    A lost stage ``i`` of a pipeline with ``m`` micro-batches hands ``⌈m / hosts⌉``
+    of them to each host; each costs that stage's ``t_f + t_b``. ``slots=sum`` adds
+    the lost stages' extra time (the paper's Eq. 13); ``slots=max`` takes the worst
+    stage, because extra slots on different stages run on different devices and
+    overlap like the rest of the 1F1B steady state.
+    """
+    if slots not in REROUTE_SLOTS:
+        raise ValueError(f"policy.reroute_slots={slots!r}: use max or sum")
+    per_stage: dict[int, float] = {}
+    for r in plan.reroutes:
+        pipe = plan.pipelines[r.pipeline]
+        stage = pipe.stages[r.stage]
+        fwd, bwd = stage_cost(profile, stage.n_layers, first=r.stage == 0, last=r.stage == pipe.n_stages - 1)
+        extra = math.ceil(pipe.micro_batches / len(r.hosts)) * (fwd + bwd)
+        per_stage[r.stage] = per_stage.get(r.stage, 0.0) + extra
+    if not per_stage:
+        return 0.0
+    return sum(per_stage.values()) if slots == "sum" else max(per_stage.values())
+
+
+def estimate_step(profile: Profile, plan: Plan, *, reroute_slots: str = "max") -> StepEstimate:
+    """Estimated step time of ``plan`` (Eqs. 10–13 plus p2p, DP sync and optimizer)."""
+    by_shape: dict[tuple[tuple[int, ...], int], float] = {}  # pipelines of one shape take the same time
+    times = []
+    for p in plan.pipelines:
+        shape = (tuple(st.n_layers for st in p.stages), p.micro_batches)
+        if shape not in by_shape:
+            by_shape[shape] = pipeline_time(*_pipeline_costs(profile, p.stages), p.micro_batches)
+        times.append(by_shape[shape])
+    extra = reroute_extra(profile, plan, slots=reroute_slots)
+    sync, rounds = sync_time(profile, plan)
+    opt = optimizer_time(profile, plan)
+    compute = max(times)
+    return StepEstimate(compute + extra + sync + opt, compute, extra, sync, opt, rounds, tuple(times))
+
+
+def symmetric_step(n_stages: int, n_micro: int, fwd: float, bwd: float) -> float:
+    """Eq. 9: ``(N_pp + N_m − 1)·(t_f + t_b)`` for uniform stages."""
+    return (n_stages + n_micro - 1) * (fwd + bwd)
+
+
+def memory_per_device(profile: Profile, plan: Plan) -> dict[int, float]:
+    """Eq. 14 per device; a reroute host also keeps activations for each pipeline it serves."""
+    served: dict[tuple[int, int], int] = {}
+    for r in plan.reroutes:
+        for h in set(r.hosts):
+            served[(h, r.stage)] = served.get((h, r.stage), 0) + 1
+    out = {}
+    for j, p in enumerate(plan.pipelines):
+        for s, st in enumerate(p.stages):
+            in_flight = min(p.n_stages - s, p.micro_batches) * (1 + served.get((j, s), 0))
+            mem = stage_memory(profile, st.n_layers, first=s == 0, last=s == p.n_stages - 1, in_flight=in_flight)
+            for d in st.devices:
+                out[d] = mem
+    return out
+
+
+def held_params(plan: Plan) -> dict[int, set[int]]:
+    """Model units (−1 embedding, layers, ``n_layers`` head) each device holds."""
+    held: dict[int, set[int]] = {}
+    for p in plan.pipelines:
+        for s, st in enumerate(p.stages):
+            units = set(range(*st.layers)) | ({-1} if s == 0 else set()) | ({plan.n_layers} if s == p.n_stages - 1 else set())
+            for d in st.devices:
+                held[d] = units
+    return held
+
+
+def unit_params(profile: Profile, n_layers: int, unit: int) -> int:
+    """Parameter count of one model unit (−1 embedding, ``n_layers`` head, else a layer)."""
+    return profile.first_params if unit == -1 else profile.last_params if unit == n_layers else profile.layer_params
+
+
+def migration_time(profile: Profile, old: Plan, new: Plan) -> tuple[float, float]:
+    """Seconds and total bytes to give every device of ``new`` the state it lacks.
+
+    A device lacking units receives their weights and two AdamW moments from a
+    DP peer, usually on another node; receivers run concurrently, so time is the
+    busiest receiver's bytes ÷ the DP (inter-node) bandwidth plus one latency per unit.
+    """
+    before, after = held_params(old), held_params(new)
+    worst, total = 0.0, 0.0
+    for d, units in after.items():
+        missing = units - before.get(d, set())
+        nbytes = sum(profile.migrate_bytes(unit_params(profile, new.n_layers, u)) for u in missing)
+        total += nbytes
+        if missing:
+            worst = max(worst, len(missing) * profile.dp_latency_s + nbytes / profile.dp_bw)
+    return worst, total
+
+
+def checkpoint_time(profile: Profile, n_layers: int) -> float:
+    """Writing or reading a whole checkpoint (weights + optimizer state) at the checkpoint bandwidth."""
+    total = n_layers * profile.layer_params + profile.first_params + profile.last_params
+    return total * (profile.bytes_per_elem + profile.optim_bytes_per_elem) / profile.checkpoint_bw
+
+
+def rebuild_time(profile: Profile, plan: Plan) -> float:
+    """Creating the new generation's groups: one per p2p pair, sync bucket and reroute edge."""
+    pairs = sum(p.n_stages - 1 for p in plan.pipelines) + 2 * sum(len(r.hosts) for r in plan.reroutes)
+    groups = pairs + sum(1 for b in sync_rounds(plan) if b[0] > 1)
+    return groups * profile.group_create_s

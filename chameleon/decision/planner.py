@@ -1,0 +1,562 @@
+"""Algorithm 1: the best (possibly uneven) plan for a set of survivors.
+
+The search space is the paper's: DP degree × partitions of the survivors into
+pipelines of allowed lengths × a layer split per pipeline × micro-batch shares.
+Every candidate is scored with the estimator's own terms — the slowest pipeline
+(Eq. 10), the coloured DP sync of its distinct layer splits and the optimizer step
+— and micro-batch shares are water-filled: the step is the smallest τ whose
+per-pipeline capacities (most micro-batches finished within τ) cover the global
+count, which is exact because a pipeline's time grows with its micro-batches.
+Two searches cover the space:
+
+* **Exact**, when it is small (every memory-feasible split of every allowed
+  length, and at most ``exact_limit`` multisets of such pipelines): pipeline times
+  are exact 1F1B longest paths (Eq. 11) and memory uses each pipeline's real
+  in-flight count. A multiset is skipped when a sound lower bound — its longest
+  pipeline fill (one micro-batch each) + its sync + its optimizer — cannot beat
+  the ``top_k``-th best. The result equals an exhaustive search's.
+* **Fast**, otherwise. Per length, the Pareto front of splits over (compute
+  bottleneck, largest stage's parameters), each found by binary search under
+  per-stage time, parameter and Eq. 14 memory caps; its time is the closed form
+  ``fill + (m−1)·bottleneck`` (an upper bound of Eq. 11, exact for uniform
+  stages). Partitions use at most two distinct lengths, O(k·|lengths|²) per DP
+  degree; a partition's front combinations are scored only when a lower bound
+  (fastest splits for compute, lightest for sync and optimizer) can enter the top
+  ``top_k``, which are then re-scored with the exact estimator.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+from scipy.optimize import linprog
+
+from chameleon.decision import estimator as est
+from chameleon.decision.profiler import Profile
+from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage
+
+_EPS = 1e-12
+
+Shape = tuple[tuple["Split", int], ...]
+
+
+@dataclass(frozen=True)
+class Split:
+    """One pipeline's layer split and its 1F1B terms.
+
+    ``time`` is the closed form ``fill + (m−1)·bottleneck`` unless ``curve`` gives
+    the exact 1F1B time; ``max_micro`` caps the micro-batches that fit in memory.
+    """
+
+    length: int
+    layers: tuple[int, ...]
+    fill: float
+    bottleneck: float
+    max_params: int
+    max_micro: int | None = None
+    curve: Callable[[int], float] | None = field(default=None, compare=False, repr=False)
+
+    def time(self, n_micro: int) -> float:
+        return self.curve(n_micro) if self.curve else self.fill + (n_micro - 1) * self.bottleneck
+
+    def capacity(self, tau: float) -> int:
+        """The most micro-batches this pipeline finishes within ``tau`` (and fits in memory)."""
+        if tau + _EPS < self.fill:
+            return 0
+        count = int(math.floor((tau - self.fill) / self.bottleneck + 1e-9)) + 1
+        if self.curve:
+            # Exact time ≤ the closed form, and ≥ m·bottleneck (the busiest stage runs m F+B).
+            hi = int(math.floor(tau / self.bottleneck + 1e-9))
+            while count < hi:
+                mid = (count + hi + 1) // 2
+                count, hi = (mid, hi) if self.curve(mid) <= tau + _EPS else (count, mid - 1)
+        return count if self.max_micro is None else min(count, self.max_micro)
+
+    def bounds(self) -> tuple[tuple[int, int], ...]:
+        out, start = [], 0
+        for n in self.layers:
+            out.append((start, start + n))
+            start += n
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class PlannerResult:
+    """The chosen plan, its exact estimate, and how the search went."""
+
+    plan: Plan
+    estimate: est.StepEstimate
+    search_s: float
+    n_partitions: int
+
+
+def _costs(profile: Profile, layers) -> tuple[list[float], list[float]]:
+    last = len(layers) - 1
+    pairs = [est.stage_cost(profile, n, first=s == 0, last=s == last) for s, n in enumerate(layers)]
+    return [f for f, _ in pairs], [b for _, b in pairs]
+
+
+def make_split(profile: Profile, layers, *, exact: bool = False, max_micro: int | None = None) -> Split:
+    """The :class:`Split` of ``layers`` (layer counts per stage); ``exact`` attaches the Eq. 11 curve."""
+    fwd, bwd = _costs(profile, layers)
+    costs = [f + b for f, b in zip(fwd, bwd)]
+    params = max(est.stage_params(profile, n, first=s == 0, last=s == len(layers) - 1) for s, n in enumerate(layers))
+    curve = lru_cache(maxsize=None)(lambda m: est.pipeline_time(fwd, bwd, m)) if exact else None
+    return Split(len(layers), tuple(layers), sum(costs), max(costs), params, max_micro, curve)
+
+
+def max_micro(profile: Profile, layers) -> int | None:
+    """Most micro-batches a pipeline of ``layers`` holds within Eq. 14 memory (None: any; 0: none)."""
+    length = len(layers)
+    for m in range(length, 0, -1):
+        fits = all(
+            est.stage_memory(profile, n, first=s == 0, last=s == length - 1, in_flight=min(length - s, m))
+            <= profile.memory_bytes
+            for s, n in enumerate(layers)
+        )
+        if fits:
+            return None if m == length else m
+    return 0
+
+
+def pareto_splits(profile: Profile, length: int) -> list[Split]:
+    """Layer splits of ``length`` stages along the (compute bottleneck, largest stage params) front.
+
+    The first is the min–max split (binary search on the bottleneck under per-stage
+    Eq. 14 memory caps, every stage's ``length − s`` activations in flight); each
+    next one is the min–max split whose stages all hold fewer parameters than the
+    previous one's largest. Fastest first; empty when nothing fits.
+    """
+    n_layers = profile.n_layers
+    if length > n_layers:
+        return []
+    unit = profile.layer_fwd_s + profile.layer_bwd_s
+    extras, params0, caps_mem = [], [], []
+    for s in range(length):
+        first, last = s == 0, s == length - 1
+        extras.append(sum(est.stage_cost(profile, 0, first=first, last=last)))
+        params0.append(est.stage_params(profile, 0, first=first, last=last))
+        in_flight = length - s
+        fixed = est.stage_memory(profile, 0, first=first, last=last, in_flight=in_flight)
+        per_layer = est.stage_memory(profile, 1, first=False, last=False, in_flight=in_flight) - est.stage_memory(
+            profile, 0, first=False, last=False, in_flight=in_flight
+        )
+        caps_mem.append(int((profile.memory_bytes - fixed) // per_layer) if profile.memory_bytes > fixed else 0)
+
+    def caps(time_cap: float, param_cap: float) -> list[int]:
+        return [
+            min(m, int(math.floor((time_cap - e) / unit + 1e-9)), int((param_cap - q) // profile.layer_params))
+            for e, q, m in zip(extras, params0, caps_mem)
+        ]
+
+    def feasible(time_cap: float, param_cap: float) -> bool:
+        c = caps(time_cap, param_cap)
+        return min(c) >= 1 and sum(c) >= n_layers
+
+    def lowest(values: list[float], ok: Callable[[float], bool]) -> float | None:
+        if not values or not ok(values[-1]):
+            return None
+        lo, hi = 0, len(values) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ok(values[mid]) else (mid + 1, hi)
+        return values[lo]
+
+    times = sorted({n * unit + e for n in range(1, n_layers + 1) for e in set(extras)})
+    params = sorted({n * profile.layer_params + q for n in range(1, n_layers + 1) for q in set(params0)})
+    front = []
+    while params:
+        time_cap = lowest(times, lambda t: feasible(t, params[-1]))
+        if time_cap is None:
+            break
+        front.append(_fill(profile, caps(time_cap, params[-1])))
+        params = [q for q in params if q < front[-1].max_params]
+    return front
+
+
+def _fill(profile: Profile, cap: list[int]) -> Split:
+    """Layers within per-stage caps, filled from the back or from the front: the faster in exact 1F1B."""
+    length, n_layers = len(cap), profile.n_layers
+    fills = []
+    for order in (range(length - 1, -1, -1), range(length)):
+        layers, remaining = [0] * length, n_layers
+        for s in order:
+            before = s if order.step < 0 else length - 1 - s
+            layers[s] = min(cap[s], remaining - before)
+            remaining -= layers[s]
+        fills.append(layers)
+    layers = min(fills, key=lambda ls: (est.pipeline_time(*_costs(profile, ls), length), ls))
+    return make_split(profile, layers)
+
+
+def best_split(profile: Profile, length: int) -> Split | None:
+    """Min–max (compute bottleneck) layer split into ``length`` stages that fits in memory, or None."""
+    front = pareto_splits(profile, length)
+    return front[0] if front else None
+
+
+def min_step(splits: list[tuple[Split, int]], n_micro: int) -> float | None:
+    """Water-filling: the smallest τ at which ``count`` pipelines of each split cover ``n_micro``."""
+    if sum(c for _, c in splits) > n_micro:
+        return None
+    floor = max(sp.fill for sp, _ in splits)
+
+    def enough(tau: float) -> bool:
+        return tau + _EPS >= floor and sum(c * sp.capacity(tau) for sp, c in splits) >= n_micro
+
+    best = math.inf
+    for sp, _ in splits:
+        lo, hi = 1, n_micro
+        if not enough(sp.time(hi)):
+            continue
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if enough(sp.time(mid)):
+                hi = mid
+            else:
+                lo = mid + 1
+        best = min(best, sp.time(lo))
+    return None if math.isinf(best) else best
+
+
+def shares(splits: list[Split], n_micro: int, tau: float) -> list[int]:
+    """Micro-batches per pipeline: capacities at ``tau``, trimmed from the slowest until they sum to ``n_micro``."""
+    counts = [sp.capacity(tau) for sp in splits]
+    heap = [(-sp.time(m), -j) for j, (sp, m) in enumerate(zip(splits, counts))]
+    heapq.heapify(heap)
+    excess = sum(counts) - n_micro
+    while excess > 0:
+        _, neg_j = heapq.heappop(heap)
+        j = -neg_j
+        if counts[j] > 1:
+            counts[j] -= 1
+            excess -= 1
+            heapq.heappush(heap, (-splits[j].time(counts[j]), neg_j))
+    return counts
+
+
+class _TopK:
+    """The ``k`` lowest-valued shapes seen; ``bound`` is the value a newcomer must beat."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.heap: list[tuple[float, tuple, Shape]] = []
+
+    @property
+    def bound(self) -> float:
+        return -self.heap[0][0] if len(self.heap) == self.k else math.inf
+
+    def push(self, value: float, shape: Shape) -> None:
+        item = (-value, tuple((-sp.length, tuple(-n for n in sp.layers), -c) for sp, c in shape), shape)
+        if len(self.heap) < self.k:
+            heapq.heappush(self.heap, item)
+        elif item > self.heap[0]:
+            heapq.heapreplace(self.heap, item)
+
+    def best_first(self) -> list[tuple[float, Shape]]:
+        return [(-v, shape) for v, _, shape in sorted(self.heap, reverse=True)]
+
+
+class Planner:
+    """Algorithm 1 over one profile: exact on small spaces, fast on large ones; caches across calls.
+
+    Args:
+        profile: Costs of a stage unit.
+        dp_degrees: Allowed pipeline counts; empty means any.
+        pp_lengths: Allowed pipeline lengths; empty means 1..n_layers.
+        top_k: Partitions re-scored with the exact estimator.
+        exact_limit: The exact search runs when there are at most this many layer splits
+            of the allowed lengths and this many multisets of them for the survivors.
+    """
+
+    def __init__(
+        self, profile: Profile, *, dp_degrees: tuple[int, ...] = (), pp_lengths: tuple[int, ...] = (), top_k: int = 4,
+        exact_limit: int = 4000,
+    ):
+        self.profile = profile
+        self.dp_degrees = frozenset(dp_degrees)
+        lengths = sorted(set(pp_lengths or range(1, profile.n_layers + 1)))
+        self.fronts = {p: front for p in lengths if (front := pareto_splits(profile, p))}
+        self.splits = {p: front[0] for p, front in self.fronts.items()}
+        self.top_k = top_k
+        self.exact_limit = exact_limit
+        self.pool = self._exact_pool(lengths)
+        self._rounds = lru_cache(maxsize=None)(self._round_params)
+
+    def _exact_pool(self, lengths: list[int]) -> tuple[Split, ...] | None:
+        """Every memory-feasible split of the allowed lengths with its exact curve, or None if too many."""
+        n_layers = self.profile.n_layers
+        if sum(math.comb(n_layers - 1, p - 1) for p in lengths if p <= n_layers) > self.exact_limit:
+            return None
+        pool = []
+        for p in lengths:
+            for cuts in itertools.combinations(range(1, n_layers), p - 1):
+                layers = [b - a for a, b in zip((0,) + cuts, cuts + (n_layers,))]
+                cap = max_micro(self.profile, layers)
+                if cap != 0:
+                    pool.append(make_split(self.profile, layers, exact=True, max_micro=cap))
+        return tuple(pool)
+
+    def _round_params(self, splits: tuple[Split, ...]) -> tuple[int, ...]:
+        """Largest bucket (params) of each coloured sync round when pipelines of ``splits`` coexist."""
+        n_layers = self.profile.n_layers
+        cuts = sorted({b for sp in splits for b in np.cumsum(sp.layers)[:-1]} | {0, n_layers})
+        stage_of = [np.repeat(np.arange(sp.length), sp.layers) for sp in splits]
+        buckets = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            params = (hi - lo) * self.profile.layer_params
+            params += self.profile.first_params if lo == 0 else 0
+            params += self.profile.last_params if hi == n_layers else 0
+            holders = tuple(i * n_layers + int(stages[lo]) for i, stages in enumerate(stage_of))
+            buckets.append((params, lo, holders))
+        return tuple(max(buckets[i][0] for i in r) for r in est.colour_rounds(buckets))
+
+    def _fixed(self, splits: tuple[Split, ...], k: int) -> float:
+        """DP sync (coloured rounds over ``k`` pipelines) + optimizer step of a set of distinct splits."""
+        sync = sum(est.allreduce_time(self.profile, k, p) for p in self._rounds(splits)) if k > 1 else 0.0
+        return sync + self._optimizer(max(sp.max_params for sp in splits))
+
+    def _floor(self, params: int, k: int) -> float:
+        """Lower bound of :meth:`_fixed` when the largest stage holds ``params``: one sync round + optimizer."""
+        return est.allreduce_time(self.profile, k, params) + self._optimizer(params)
+
+    def _optimizer(self, params: int) -> float:
+        return params / self.profile.tp * self.profile.optimizer_s_per_param
+
+    def _resolve(self, counts: dict) -> Shape:
+        """``{length or Split: count}`` as ``((Split, count), ...)``; a length means its fastest split."""
+        pairs = [(self.splits[sp] if isinstance(sp, int) else sp, c) for sp, c in counts.items() if c]
+        return tuple(sorted(pairs, key=lambda x: (x[0].length, x[0].layers)))
+
+    def objective(self, counts: dict, n_micro: int) -> float | None:
+        """Step time of a partition ``{length or Split: count}`` (closed form unless splits are exact), or None."""
+        shape = self._resolve(counts)
+        tau = min_step(list(shape), n_micro)
+        if tau is None:
+            return None
+        return tau + self._fixed(tuple(sp for sp, _ in shape), sum(c for _, c in shape))
+
+    def _allowed(self, k: int, n_micro: int) -> bool:
+        return k <= n_micro and (not self.dp_degrees or k in self.dp_degrees)
+
+    def partitions(self, n_units: int, n_micro: int) -> Iterator[dict[int, int]]:
+        """Length counts ``{length: count}`` with at most two distinct lengths, every unit used."""
+        lengths = sorted(self.splits)
+        if not lengths:
+            return
+        k_lo, k_hi = -(-n_units // lengths[-1]), min(n_units // lengths[0], n_micro)
+        for k in range(max(k_lo, 1), k_hi + 1):
+            if not self._allowed(k, n_micro):
+                continue
+            if n_units % k == 0 and n_units // k in self.splits:
+                yield {n_units // k: k}
+            for i, p1 in enumerate(lengths):
+                if p1 * k >= n_units:
+                    break
+                for p2 in lengths[i + 1:]:
+                    c2, rem = divmod(n_units - k * p1, p2 - p1)
+                    if rem == 0 and 0 < c2 < k:
+                        yield {p1: k - c2, p2: c2}
+
+    def exact_space(self, n_units: int) -> int | None:
+        """Multisets of exact-pool pipelines covering ``n_units`` (any DP degree), or None without a pool."""
+        if self.pool is None:
+            return None
+        ways = [1] + [0] * n_units
+        for sp in self.pool:
+            for n in range(sp.length, n_units + 1):
+                ways[n] += ways[n - sp.length]
+        return ways[n_units]
+
+    def _exact(self, n_units: int, n_micro: int, seeds: list[Shape]) -> _TopK:
+        """Every multiset of pool splits, pruned by lower bounds against ``seeds`` (scored exactly) and finds."""
+        pool = self.pool
+        top = _TopK(self.top_k)
+        exact = {sp.layers: sp for sp in pool}
+        for shape in seeds:
+            shape = tuple((exact[sp.layers], c) for sp, c in shape)
+            top.push(self.objective(dict(shape), n_micro), shape)
+
+        def visit(start: int, remaining: int, shape: Shape, k: int, fill: float, params: int) -> None:
+            if remaining == 0:
+                if not self._allowed(k, n_micro):
+                    return
+                fixed = self._fixed(tuple(sp for sp, _ in shape), k)
+                # A pipeline's busiest stage runs m·bottleneck, so τ ≥ n_micro / Σ count/bottleneck.
+                rate = sum(c / sp.bottleneck for sp, c in shape)
+                if max(fill, n_micro / rate) + fixed >= top.bound:
+                    return
+                tau = min_step(list(shape), n_micro)
+                if tau is not None:
+                    top.push(tau + fixed, shape)
+                return
+            for i in range(start, len(pool)):
+                sp = pool[i]
+                f, q = max(fill, sp.fill), max(params, sp.max_params)
+                for c in range(1, remaining // sp.length + 1):
+                    more = remaining > c * sp.length
+                    if k + c + more > n_micro or f + self._floor(q, k + c + more) >= top.bound:
+                        break
+                    visit(i + 1, remaining - c * sp.length, shape + ((sp, c),), k + c, f, q)
+
+        visit(0, n_units, (), 0, 0.0, 0)
+        return top
+
+    def _fast(self, n_units: int, n_micro: int, top: _TopK) -> None:
+        """Partitions with ≤ 2 lengths × their front splits, skipped when a lower bound cannot enter ``top``."""
+        for counts in self.partitions(n_units, n_micro):
+            lengths = sorted(counts)
+            fronts = [self.fronts[p] for p in lengths]
+            k = sum(counts.values())
+            if any(len(fr) > 1 for fr in fronts):
+                tau = min_step([(fr[0], counts[p]) for fr, p in zip(fronts, lengths)], n_micro)
+                if tau is None or tau + self._floor(max(fr[-1].max_params for fr in fronts), k) >= top.bound:
+                    continue
+            for combo in itertools.product(*fronts):
+                shape = tuple((sp, counts[sp.length]) for sp in combo)
+                value = self.objective(dict(shape), n_micro)
+                if value is not None:
+                    top.push(value, shape)
+
+    def search(self, n_units: int, n_micro: int) -> list[tuple[float, dict[Split, int]]]:
+        """The ``top_k`` partitions ``{Split: count}`` by step time, best first (exact search when small)."""
+        top = _TopK(self.top_k)
+        self._fast(n_units, n_micro, top)
+        space = self.exact_space(n_units)
+        if space is not None and space <= self.exact_limit:
+            top = self._exact(n_units, n_micro, [shape for _, shape in top.best_first()])
+        return [(v, dict(shape)) for v, shape in top.best_first()]
+
+    def build(self, counts: dict, units: list[tuple[int, ...]], *, n_micro: int, micro_batch_size: int) -> Plan:
+        """The plan of a partition ``{length or Split: count}``: pipelines shortest first, devices in ``units`` order."""
+        shape = self._resolve(counts)
+        splits = [sp for sp, c in shape for _ in range(c)]
+        micro = shares(splits, n_micro, min_step(list(shape), n_micro))
+        pipelines, it = [], iter(units)
+        for sp, m in zip(splits, micro):
+            stages = tuple(Stage(devices=next(it), layers=b) for b in sp.bounds())
+            pipelines.append(Pipeline(stages=stages, micro_batches=m))
+        return Plan(n_layers=self.profile.n_layers, micro_batch_size=micro_batch_size, pipelines=tuple(pipelines))
+
+    def choose(self, units: list[tuple[int, ...]], *, n_micro: int, micro_batch_size: int) -> Plan:
+        """The best plan on ``units`` (TP groups, placed in order): top partitions re-scored exactly.
+
+        Raises:
+            PlanError: When no partition fits the allowed lengths, DP degrees and memory.
+        """
+        top = self.search(len(units), n_micro)
+        if not top:
+            raise PlanError(
+                f"no plan for {len(units)} stage units: widen policy.pp_lengths / policy.dp_degrees, "
+                "or give devices more memory (cluster.memory_gb)"
+            )
+        scored = []
+        for rank, (value, counts) in enumerate(top):
+            plan = self.build(counts, units, n_micro=n_micro, micro_batch_size=micro_batch_size)
+            scored.append((est.estimate_step(self.profile, plan).t_step, value, rank, plan))
+        return min(scored, key=lambda x: x[:3])[3]
+
+    def best(
+        self, units: list[tuple[int, ...]], *, n_micro: int, micro_batch_size: int, previous: Plan | None = None
+    ) -> PlannerResult:
+        """:meth:`choose`, with devices placed to move the least state from ``previous``."""
+        start = time.perf_counter()
+        plan = self.choose(units, n_micro=n_micro, micro_batch_size=micro_batch_size)
+        if previous is not None:
+            plan = place(plan, previous, self.profile)
+        search_s = time.perf_counter() - start
+        return PlannerResult(plan, est.estimate_step(self.profile, plan), search_s, self.top_k)
+
+
+def place(plan: Plan, previous: Plan, profile: Profile) -> Plan:
+    """Reassign ``plan``'s stage units to minimise the state bytes each lacks from ``previous``.
+
+    The cost of putting unit ``u`` on slot ``v`` is the weights + AdamW moments of
+    the model units ``v`` needs that ``u`` does not hold; solved as an assignment
+    (Hungarian) problem over TP groups. Units needing the same model units, and
+    groups holding the same ones, are interchangeable, so the assignment is solved
+    as a transportation problem between those classes (an LP whose vertices are
+    integral): the same optimum, in time independent of the device count.
+    """
+    n_units = plan.n_layers + 2
+    held = est.held_params(previous)
+    slots = [(j, s) for j, p in enumerate(plan.pipelines) for s in range(p.n_stages)]
+    groups = [plan.pipelines[j].stages[s].devices for j, s in slots]
+    weight = np.array([profile.migrate_bytes(est.unit_params(profile, plan.n_layers, u - 1)) for u in range(n_units)])
+    need = np.zeros((len(slots), n_units))
+    have = np.zeros((len(groups), n_units))
+    for i, (j, s) in enumerate(slots):
+        p = plan.pipelines[j]
+        lo, hi = p.stages[s].layers
+        need[i, lo + 1:hi + 1] = 1
+        need[i, 0] = s == 0
+        need[i, -1] = s == p.n_stages - 1
+    for i, g in enumerate(groups):
+        for u in held.get(g[0], ()):
+            have[i, u + 1] = 1
+    need_kinds, slot_kind = np.unique(need, axis=0, return_inverse=True)
+    have_kinds, group_kind = np.unique(have, axis=0, return_inverse=True)
+    slot_kind, group_kind = slot_kind.ravel(), group_kind.ravel()
+    flow = _transport((need_kinds * weight) @ (1 - have_kinds).T, np.bincount(slot_kind), np.bincount(group_kind))
+    slots_of = [iter(np.flatnonzero(slot_kind == a).tolist()) for a in range(len(need_kinds))]
+    groups_of = [iter(np.flatnonzero(group_kind == b).tolist()) for b in range(len(have_kinds))]
+    assign = {next(slots_of[a]): next(groups_of[b]) for a, b in zip(*np.nonzero(flow)) for _ in range(flow[a, b])}
+    slot_ids = iter(range(len(slots)))  # slots are listed in pipeline-then-stage order
+    pipelines = tuple(
+        Pipeline(stages=tuple(Stage(devices=groups[assign[next(slot_ids)]], layers=st.layers) for st in p.stages), micro_batches=p.micro_batches)
+        for p in plan.pipelines
+    )
+    return Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=pipelines)
+
+
+def _transport(cost: np.ndarray, supply: np.ndarray, demand: np.ndarray) -> np.ndarray:
+    """Integral min-cost flow ``x[a, b]`` with row sums ``supply`` and column sums ``demand`` (balanced)."""
+    n_a, n_b = cost.shape
+    if n_a == 1 or n_b == 1:
+        return demand[None, :] if n_a == 1 else supply[:, None]
+    rows = np.zeros((n_a + n_b, n_a * n_b))
+    for a in range(n_a):
+        rows[a, a * n_b:(a + 1) * n_b] = 1
+    for b in range(n_b):
+        rows[n_a + b, b::n_b] = 1
+    result = linprog(cost.ravel(), A_eq=rows, b_eq=np.concatenate([supply, demand]), bounds=(0, None), method="highs-ds")
+    return np.rint(result.x).astype(int).reshape(n_a, n_b)
+
+
+def stage_units(plan: Plan, failed: set[int] = frozenset()) -> list[tuple[int, ...]]:
+    """The plan's TP groups with no failed device, in plan order."""
+    return [st.devices for p in plan.pipelines for st in p.stages if st.devices and not failed & set(st.devices)]
+
+
+def precompute_single_faults(plan: Plan, planner: Planner) -> dict[int, Plan]:
+    """The best plan after each single-device fault of ``plan``, so a real fault is a lookup.
+
+    All single faults leave the same number of units, so one search serves every
+    device; only the placement differs.
+    """
+    units = stage_units(plan)
+    if len(units) < 2:
+        return {}
+    try:
+        shape = planner.choose(units[1:], n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
+    except PlanError:
+        return {}
+    out = {}
+    for unit in units:
+        survivors = iter(u for u in units if u != unit)
+        pipelines = tuple(
+            Pipeline(stages=tuple(Stage(devices=next(survivors), layers=st.layers) for st in p.stages), micro_batches=p.micro_batches)
+            for p in shape.pipelines
+        )
+        filled = Plan(n_layers=shape.n_layers, micro_batch_size=shape.micro_batch_size, pipelines=pipelines)
+        placed = place(filled, plan, planner.profile)
+        for d in unit:
+            out[d] = placed
+    return out

@@ -1,0 +1,363 @@
+"""Profiles: what one stage of the model costs on one device, measured or derived.
+
+A :class:`Profile` is the estimator's only input about hardware. ``kind=local``
+measures this machine for real — per-layer forward/backward time of
+:func:`chameleon.model.llama.stage_forward`, the embedding and head extras, the
+bytes autograd saves, an AdamW step, and gloo point-to-point, all-reduce and
+group-creation costs with a few real processes — and caches the result as JSON.
+``kind=analytic`` derives the same fields from datasheet figures (6·params·tokens
+FLOPs, fwd:bwd = 1:2) for hardware we cannot run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from chameleon.decision.config import ClusterConfig
+from chameleon.model import llama
+from chameleon.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Costs of one stage unit (a TP group of ``tp`` devices) per micro-batch.
+
+    Times are seconds per micro-batch; ``*_params`` are whole (unsharded) element
+    counts; activation bytes are what autograd keeps per micro-batch until backward.
+    Bandwidths are bytes/s. ``host_cores`` is set for CPU devices (worker processes),
+    which time-share their node's cores.
+    """
+
+    key: str
+    source: str
+    n_layers: int
+    micro_batch: int
+    seq_len: int
+    tp: int
+    layer_fwd_s: float
+    layer_bwd_s: float
+    first_fwd_s: float
+    first_bwd_s: float
+    last_fwd_s: float
+    last_bwd_s: float
+    layer_params: int
+    first_params: int
+    last_params: int
+    bytes_per_elem: int
+    optim_bytes_per_elem: int
+    layer_act_bytes: int
+    first_act_bytes: int
+    last_act_bytes: int
+    boundary_bytes: int
+    memory_bytes: float
+    p2p_bw: float
+    p2p_latency_s: float
+    dp_bw: float
+    dp_latency_s: float
+    group_create_s: float
+    optimizer_s_per_param: float
+    checkpoint_bw: float
+    restart_s: float
+    n_devices: int
+    devices_per_node: int
+    host_cores: float = 0.0  # CPU cores the devices of one node share; 0: each device computes on its own
+
+    def state_bytes(self, params: int) -> float:
+        """Bytes per device of parameters, gradients and optimizer state for ``params`` elements."""
+        return params / self.tp * (2 * self.bytes_per_elem + self.optim_bytes_per_elem)
+
+    def migrate_bytes(self, params: int) -> float:
+        """Bytes a device must receive to take over ``params`` elements: weights + 2 AdamW moments."""
+        return params / self.tp * (self.bytes_per_elem + self.optim_bytes_per_elem)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def profile_key(model: ModelConfig, *, micro_batch: int, seq_len: int, tp: int, device: str) -> str:
+    """The cache key: model shape, micro-batch, sequence length, device and torch version."""
+    shape = (
+        f"d{model.dim}-L{model.n_layers}-h{model.n_heads}-kv{model.n_kv_heads}-v{model.vocab_size}"
+        f"-f{model.ffn_hidden_dim}"
+    )
+    return f"{shape}_mb{micro_batch}_s{seq_len}_tp{tp}_{device}_torch{torch.__version__}"
+
+
+def load_profile(
+    model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, tp: int = 1, threads: int = 1
+) -> Profile:
+    """The profile for ``cluster``: analytic, or measured here and cached by :func:`profile_key`.
+
+    ``threads`` is the torch thread count of one worker (``launcher.threads_per_worker``);
+    a local measurement runs with it, as the workers will.
+    """
+    if cluster.kind == "analytic":
+        return analytic_profile(model, cluster, micro_batch=micro_batch, seq_len=seq_len, tp=tp)
+    if cluster.kind != "local":
+        raise ValueError(f"cluster.kind={cluster.kind!r}: use local or analytic")
+    key = profile_key(model, micro_batch=micro_batch, seq_len=seq_len, tp=1, device=f"cpu{threads}t-{cluster.name}")
+    path = Path(os.path.expanduser(cluster.cache_dir)) / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            return Profile(**data)
+    profile = measure_profile(model, cluster, micro_batch=micro_batch, seq_len=seq_len, key=key, threads=threads)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile.to_dict(), indent=1))
+    return profile
+
+
+def _layer_params(model: ModelConfig) -> tuple[int, int, int]:
+    count = lambda names: llama.param_bytes(model, names, bytes_per_elem=1)  # noqa: E731
+    layer = count(llama.stage_param_names(model, (0, 1), first=False, last=False))
+    first = count(llama.stage_param_names(model, (0, 0), first=True, last=False))
+    last = count(llama.stage_param_names(model, (0, 0), first=False, last=True))
+    return layer, first, last
+
+
+def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, tp: int) -> Profile:
+    """A profile from datasheet figures.
+
+    FLOPs per layer and micro-batch follow Kaplan et al.: forward ``2·P·T + 2·T·s·dim``
+    (``T`` tokens, ``s`` the context), backward twice that. Activations assume flash
+    attention (no ``s×s`` scores kept) and bf16 tensors; the head keeps fp32 logits.
+    """
+    layer_p, first_p, last_p = _layer_params(model)
+    tokens = micro_batch * seq_len
+    rate = cluster.peak_tflops * 1e12 * cluster.mfu * tp
+    layer_fwd = (2 * layer_p * tokens + 2 * tokens * seq_len * model.dim) / rate
+    head_fwd = 2 * model.vocab_size * model.dim * tokens / rate
+    kv_dim = model.n_kv_heads * model.head_dim
+    act_elems = tokens * (5 * model.dim + 2 * kv_dim + 4 * model.ffn_hidden_dim)
+    n_nodes = -(-cluster.n_devices // cluster.devices_per_node)
+    dp_gbps = cluster.inter_gbps if n_nodes > 1 else cluster.intra_gbps
+    optim_traffic = 2 * (2 * cluster.bytes_per_elem + cluster.optim_bytes_per_elem)
+    if cluster.memory_gb is None:
+        raise ValueError(f"cluster.memory_gb is required for an analytic cluster ({cluster.name})")
+    return Profile(
+        key=profile_key(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp, device=cluster.name),
+        source=f"analytic {cluster.name}: {cluster.peak_tflops} TFLOP/s × {cluster.mfu}",
+        n_layers=model.n_layers,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        tp=tp,
+        layer_fwd_s=layer_fwd,
+        layer_bwd_s=2 * layer_fwd,
+        first_fwd_s=0.0,
+        first_bwd_s=0.0,
+        last_fwd_s=head_fwd,
+        last_bwd_s=2 * head_fwd,
+        layer_params=layer_p,
+        first_params=first_p,
+        last_params=last_p,
+        bytes_per_elem=cluster.bytes_per_elem,
+        optim_bytes_per_elem=cluster.optim_bytes_per_elem,
+        layer_act_bytes=act_elems * cluster.bytes_per_elem // tp,
+        first_act_bytes=0,
+        last_act_bytes=tokens * model.vocab_size * 4 // tp,
+        boundary_bytes=tokens * model.dim * cluster.bytes_per_elem,
+        memory_bytes=cluster.memory_gb * 1e9,
+        p2p_bw=cluster.intra_gbps * 1e9,
+        p2p_latency_s=cluster.latency_us * 1e-6,
+        dp_bw=dp_gbps * 1e9,
+        dp_latency_s=cluster.latency_us * 1e-6,
+        group_create_s=cluster.group_create_ms * 1e-3,
+        optimizer_s_per_param=optim_traffic / (cluster.hbm_gbps * 1e9 * tp),
+        checkpoint_bw=cluster.checkpoint_gbps * 1e9,
+        restart_s=cluster.restart_s,
+        n_devices=cluster.n_devices,
+        devices_per_node=cluster.devices_per_node,
+    )
+
+
+def _timed(fn, *, warmup: int = 2, reps: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _fwd_bwd(model: ModelConfig, params: dict, x, targets, *, layers, first, last) -> tuple[float, float, int]:
+    """Median forward and backward seconds of one stage call, and the bytes autograd saved."""
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def forward():
+        return llama.stage_forward(params, model, x, layers=layers, first=first, last=last, targets=targets)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    for p in params.values():
+        saved.pop(p.untyped_storage().data_ptr(), None)
+    saved.pop(x.untyped_storage().data_ptr(), None)
+    grad = torch.ones_like(out)
+    fwd = _timed(forward)
+    outs = [forward() for _ in range(7)]
+    samples = []
+    for o in outs:
+        start = time.perf_counter()
+        o.backward(grad)
+        samples.append(time.perf_counter() - start)
+    return fwd, statistics.median(samples[2:]), sum(saved.values())
+
+
+def measure_profile(
+    model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, key: str, threads: int = 1
+) -> Profile:
+    """Time the real model on this CPU with ``threads`` torch threads; gloo costs with ``cluster.comm_procs`` processes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _measure(model, cluster, micro_batch=micro_batch, seq_len=seq_len, key=key)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, key: str) -> Profile:
+    torch.manual_seed(0)
+    names = llama.stage_param_names(model, (0, 1), first=True, last=False) + ["norm", "output"]
+    params = {n: t.requires_grad_() for n, t in llama.init_params(model, 0, names=names).items()}
+    tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))
+    hidden = torch.randn(micro_batch, seq_len, model.dim, requires_grad=True)
+    layer_f, layer_b, layer_act = _fwd_bwd(model, params, hidden, None, layers=(0, 1), first=False, last=False)
+    first_f, first_b, first_act = _fwd_bwd(model, params, tokens, None, layers=(0, 0), first=True, last=False)
+    last_f, last_b, last_act = _fwd_bwd(model, params, hidden, tokens, layers=(1, 1), first=False, last=True)
+    layer_p, first_p, last_p = _layer_params(model)
+    layer_names = llama.stage_param_names(model, (0, 1), first=False, last=False)
+    opt = torch.optim.AdamW([params[n] for n in layer_names], lr=1e-4)
+    for n in layer_names:
+        params[n].grad = torch.randn_like(params[n])
+    opt_s = _timed(opt.step) / layer_p
+    comm = measure_comm(n_procs=cluster.comm_procs)
+    memory = cluster.memory_gb * 1e9 if cluster.memory_gb is not None else _host_memory() / cluster.n_devices
+    return Profile(
+        key=key,
+        source=f"measured on this host ({os.cpu_count()} CPUs, {torch.get_num_threads()} threads)",
+        n_layers=model.n_layers,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        tp=1,
+        layer_fwd_s=layer_f,
+        layer_bwd_s=layer_b,
+        first_fwd_s=first_f,
+        first_bwd_s=first_b,
+        last_fwd_s=last_f,
+        last_bwd_s=last_b,
+        layer_params=layer_p,
+        first_params=first_p,
+        last_params=last_p,
+        bytes_per_elem=4,
+        optim_bytes_per_elem=8,
+        layer_act_bytes=layer_act,
+        first_act_bytes=first_act,
+        last_act_bytes=last_act,
+        boundary_bytes=micro_batch * seq_len * model.dim * 4,
+        memory_bytes=memory,
+        p2p_bw=comm["p2p_bw"],
+        p2p_latency_s=comm["p2p_latency_s"],
+        dp_bw=comm["allreduce_bw"],
+        dp_latency_s=comm["allreduce_latency_s"],
+        group_create_s=comm["group_create_s"],
+        optimizer_s_per_param=opt_s,
+        checkpoint_bw=cluster.checkpoint_gbps * 1e9,
+        restart_s=cluster.restart_s,
+        n_devices=cluster.n_devices,
+        devices_per_node=cluster.devices_per_node,
+        host_cores=len(os.sched_getaffinity(0)),
+    )
+
+
+def _host_memory() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_comm(*, n_procs: int = 3, small: int = 1 << 10, large: int = 1 << 22) -> dict[str, float]:
+    """Gloo costs on this host with ``n_procs`` real processes (2..4).
+
+    Returns:
+        ``p2p_bw``/``p2p_latency_s`` from a small and a large send; ``allreduce_bw`` (bus
+        bandwidth, i.e. for ``2(n−1)/n · bytes``) and ``allreduce_latency_s`` fitted over
+        group sizes 2..n_procs; ``group_create_s``, the mean ``new_group`` time.
+    """
+    import torch.multiprocessing as mp
+
+    if not 2 <= n_procs <= 4:
+        raise ValueError(f"cluster.comm_procs={n_procs}: use 2 to 4 processes")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "comm.json"
+        mp.start_processes(
+            _comm_worker, args=(n_procs, _free_port(), small, large, str(out)), nprocs=n_procs,
+            start_method="spawn",
+        )
+        return json.loads(out.read_text())
+
+
+def _comm_worker(rank: int, world: int, port: int, small: int, large: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    reps = 5
+
+    def p2p(nbytes: int) -> float:
+        buf = torch.zeros(nbytes // 4)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(reps):
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+        return (time.perf_counter() - start) / (2 * reps)
+
+    t_small, t_large = p2p(small), p2p(large)
+    create, fits = [], []
+    for n in range(2, world + 1):
+        start = time.perf_counter()
+        group = dist.new_group(list(range(n)))
+        create.append(time.perf_counter() - start)
+        for nbytes in (small, large):
+            buf = torch.zeros(nbytes // 4)
+            dist.barrier()
+            start = time.perf_counter()
+            if rank < n:
+                for _ in range(reps):
+                    dist.all_reduce(buf, group=group)
+            fits.append((n, nbytes, (time.perf_counter() - start) / reps))
+    dist.barrier()
+    if rank == 0:
+        lat = statistics.mean(t for _, b, t in fits if b == small)
+        bus = [2 * (n - 1) / n * b / max(t - lat, 1e-9) for n, b, t in fits if b == large]
+        Path(out).write_text(json.dumps({
+            "p2p_latency_s": t_small,
+            "p2p_bw": (large - small) / max(t_large - t_small, 1e-9),
+            "allreduce_latency_s": lat,
+            "allreduce_bw": statistics.median(bus),
+            "group_create_s": statistics.mean(create),
+        }))
+    dist.destroy_process_group()

@@ -1,0 +1,279 @@
+"""Eq. 8: choose how to recover from a fault.
+
+Candidates: ``reroute`` (orphan micro-batches to same-stage DP peers),
+``dynamic`` (the planner's best plan on the survivors), ``redundant`` (the dead
+stage's layers move onto a pipeline neighbour, weights from a DP peer) and
+``checkpoint`` (reload the newest checkpoint onto the planner's plan). Each is
+scored ``B / t_step · (D − T) / D`` — the average throughput until the next fault
+— and the best feasible one wins; ties go to the smaller transition, then the name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from chameleon.decision import estimator as est
+from chameleon.decision.config import PolicyConfig
+from chameleon.decision.planner import Planner, stage_units
+from chameleon.decision.profiler import Profile
+from chameleon.layout.plan import Pipeline, Plan, PlanError, Reroute, Stage, validate_plan
+
+POLICIES = ("reroute", "dynamic", "redundant", "checkpoint")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One recovery option and its estimates (seconds, bytes)."""
+
+    name: str
+    feasible: bool
+    why: str = ""
+    plan: Plan | None = None
+    t_step: float = math.inf
+    transition: float = math.inf
+    transition_parts: dict[str, float] = field(default_factory=dict)
+    peak_memory: float = 0.0
+    score: float = -math.inf
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "plan"}
+        out["plan"] = None if self.plan is None else {"summary": self.plan.describe(), **asdict(self.plan)}
+        return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in out.items()}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the selector chose, every candidate it weighed, and the ``D`` it used."""
+
+    policy: str
+    failed: tuple[int, ...]
+    d_s: float
+    d_source: str
+    choice: str | None
+    candidates: tuple[Candidate, ...]
+    note: str = ""
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return next((c for c in self.candidates if c.name == self.choice), None)
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "candidates"}
+        out["candidates"] = [c.to_dict() for c in self.candidates]
+        return out
+
+
+def estimate_d(policy: PolicyConfig, *, fault_times: list[float], elapsed_s: float) -> tuple[float, str]:
+    """Expected time to the next fault.
+
+    ``policy.fixed_d_s`` if set. Otherwise faults are a Poisson process whose rate
+    has a Gamma prior worth ``prior_faults`` faults in ``prior_faults · mtbf_prior_s``
+    seconds; after ``n`` faults in ``elapsed_s`` the posterior mean rate is
+    ``(prior_faults + n) / (prior_faults · mtbf + elapsed_s)`` and D is its inverse.
+    """
+    if policy.fixed_d_s is not None:
+        return policy.fixed_d_s, "fixed by policy.fixed_d_s"
+    n = len(fault_times)
+    alpha = policy.prior_faults + n
+    beta = policy.prior_faults * policy.mtbf_prior_s + elapsed_s
+    return beta / alpha, (
+        f"Gamma–Poisson posterior: prior MTBF {policy.mtbf_prior_s:.0f} s worth {policy.prior_faults:g} faults, "
+        f"{n} faults observed in {elapsed_s:.0f} s"
+    )
+
+
+def score(*, global_batch: int, t_step: float, transition: float, d_s: float) -> float:
+    """Eq. 8: samples per second averaged over the window until the next fault."""
+    return global_batch / t_step * (d_s - transition) / d_s
+
+
+def _lost_units(plan: Plan, failed: set[int]) -> list[tuple[int, int]]:
+    return [(j, s) for j, p in enumerate(plan.pipelines) for s, st in enumerate(p.stages) if failed & set(st.devices)]
+
+
+def _uncovered_layers(plan: Plan, failed: set[int]) -> list[tuple[int, int]]:
+    """Layer ranges no surviving stage holds (state lost everywhere)."""
+    alive = [0] * plan.n_layers
+    for p in plan.pipelines:
+        for st in p.stages:
+            if st.devices and not failed & set(st.devices):
+                for layer in range(*st.layers):
+                    alive[layer] = 1
+    gaps, start = [], None
+    for layer, ok in enumerate(alive + [1]):
+        if not ok and start is None:
+            start = layer
+        elif ok and start is not None:
+            gaps.append((start, layer))
+            start = None
+    return gaps
+
+
+def reroute_plan(plan: Plan, failed: set[int]) -> Plan:
+    """Empty every stage with a failed device and reroute its micro-batches to same-stage peers.
+
+    Stages already empty (rerouted by an earlier fault) stay empty and are rerouted
+    again over the peers that are still live.
+
+    Raises:
+        PlanError: When a lost stage has no live peer with the same layers.
+    """
+    empty = {(j, s) for j, p in enumerate(plan.pipelines) for s, st in enumerate(p.stages) if not st.devices}
+    lost = set(_lost_units(plan, failed)) | empty
+    pipelines, reroutes = [], []
+    for j, p in enumerate(plan.pipelines):
+        stages = tuple(Stage(devices=() if (j, s) in lost else st.devices, layers=st.layers) for s, st in enumerate(p.stages))
+        pipelines.append(Pipeline(stages=stages, micro_batches=p.micro_batches))
+    for j, s in sorted(lost):
+        layers = plan.pipelines[j].stages[s].layers
+        hosts = tuple(
+            h for h, p in enumerate(plan.pipelines)
+            if (h, s) not in lost and s < p.n_stages and p.stages[s].layers == layers
+        )
+        if not hosts:
+            raise PlanError(f"pipeline {j} stage {s} (layers {layers}) has no surviving same-stage peer to reroute to")
+        reroutes.append(Reroute(pipeline=j, stage=s, hosts=hosts))
+    out = Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=tuple(pipelines), reroutes=tuple(reroutes))
+    validate_plan(out)
+    return out
+
+
+def takeover_plan(profile: Profile, plan: Plan, failed: set[int]) -> Plan:
+    """Merge each lost stage into a pipeline neighbour (the faster result that fits in memory).
+
+    Raises:
+        PlanError: When a lost stage has no neighbour or no merge fits in memory.
+    """
+    pipelines = list(plan.pipelines)
+    for j, s in _lost_units(plan, failed):
+        p = pipelines[j]
+        lost = p.stages[s]
+        options = []
+        for nb in (s - 1, s + 1):
+            if not 0 <= nb < p.n_stages or failed & set(p.stages[nb].devices) or not p.stages[nb].devices:
+                continue
+            lo, hi = min(lost.layers[0], p.stages[nb].layers[0]), max(lost.layers[1], p.stages[nb].layers[1])
+            merged = Stage(devices=p.stages[nb].devices, layers=(lo, hi))
+            stages = tuple(merged if i == nb else st for i, st in enumerate(p.stages) if i != s)
+            cand = Pipeline(stages=stages, micro_batches=p.micro_batches)
+            trial = Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=(cand,))
+            if max(est.memory_per_device(profile, trial).values()) <= profile.memory_bytes:
+                options.append((est.estimate_step(profile, trial).compute, nb, cand))
+        if not options:
+            raise PlanError(f"pipeline {j} stage {s}: no live neighbour can take its layers within memory")
+        pipelines[j] = min(options, key=lambda o: o[:2])[2]
+    out = Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=tuple(pipelines))
+    validate_plan(out)
+    return out
+
+
+def _finish(name: str, profile: Profile, plan: Plan, parts: dict[str, float], *, global_batch: int, d_s: float, slots: str) -> Candidate:
+    step = est.estimate_step(profile, plan, reroute_slots=slots)
+    peak = max(est.memory_per_device(profile, plan).values())
+    transition = sum(parts.values())
+    if peak > profile.memory_bytes:
+        return Candidate(name, False, f"needs {peak / 1e9:.1f} GB > {profile.memory_bytes / 1e9:.1f} GB per device",
+                         plan, step.t_step, transition, parts, peak)
+    if d_s <= transition:
+        return Candidate(name, False, f"D = {d_s:.1f} s ≤ transition {transition:.1f} s", plan, step.t_step, transition, parts, peak)
+    return Candidate(name, True, "", plan, step.t_step, transition, parts, peak,
+                     score(global_batch=global_batch, t_step=step.t_step, transition=transition, d_s=d_s))
+
+
+def candidates(
+    profile: Profile,
+    plan: Plan,
+    failed: set[int],
+    *,
+    planner: Planner,
+    d_s: float,
+    slots: str = "max",
+    checkpoint_age_s: float | None = None,
+    precomputed: Plan | None = None,
+) -> list[Candidate]:
+    """Every recovery candidate for ``failed`` devices of ``plan``, feasible or not (with why)."""
+    batch = plan.global_batch
+    gaps = _uncovered_layers(plan, failed)
+    out = []
+    common = dict(global_batch=batch, d_s=d_s, slots=slots)
+    if gaps:
+        lost = f"layers {gaps} have no surviving replica"
+        out += [Candidate(n, False, lost) for n in ("dynamic", "redundant", "reroute")]
+    else:
+        try:
+            rr = reroute_plan(plan, failed)
+            out.append(_finish("reroute", profile, rr, {"rebuild": est.rebuild_time(profile, rr)}, **common))
+        except PlanError as err:
+            out.append(Candidate("reroute", False, str(err)))
+        units = stage_units(plan, failed)
+        dyn = None
+        try:
+            if precomputed is not None:
+                dyn, search_s = precomputed, 0.0
+            else:
+                result = planner.best(units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size, previous=plan)
+                dyn, search_s = result.plan, result.search_s
+            migrate, _ = est.migration_time(profile, plan, dyn)
+            parts = {"search": search_s, "migrate": migrate, "rebuild": est.rebuild_time(profile, dyn)}
+            out.append(_finish("dynamic", profile, dyn, parts, **common))
+        except PlanError as err:
+            out.append(Candidate("dynamic", False, str(err)))
+        try:
+            to = takeover_plan(profile, plan, failed)
+            migrate, _ = est.migration_time(profile, plan, to)
+            out.append(_finish("redundant", profile, to, {"migrate": migrate, "rebuild": est.rebuild_time(profile, to)}, **common))
+        except PlanError as err:
+            out.append(Candidate("redundant", False, str(err)))
+    out.append(_checkpoint(profile, plan, failed, planner, checkpoint_age_s, **common))
+    return out
+
+
+def _checkpoint(profile, plan, failed, planner, age_s, *, global_batch, d_s, slots) -> Candidate:
+    if age_s is None:
+        return Candidate("checkpoint", False, "no checkpoint exists")
+    try:
+        target = planner.choose(stage_units(plan, failed), n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
+    except PlanError as err:
+        return Candidate("checkpoint", False, str(err))
+    parts = {"restart": profile.restart_s, "reload": est.checkpoint_time(profile, plan.n_layers), "lost_progress": age_s}
+    return _finish("checkpoint", profile, target, parts, global_batch=global_batch, d_s=d_s, slots=slots)
+
+
+def decide(
+    profile: Profile,
+    plan: Plan,
+    failed: set[int],
+    *,
+    policy: PolicyConfig,
+    planner: Planner,
+    fault_times: list[float] = (),
+    elapsed_s: float = 0.0,
+    checkpoint_age_s: float | None = None,
+    precomputed: Plan | None = None,
+) -> Decision:
+    """Weigh every candidate by Eq. 8 and choose; a forced ``policy.name`` restricts the choice.
+
+    A forced policy that is infeasible falls back to the best feasible candidate,
+    and the note says so.
+    """
+    if policy.name not in POLICIES + ("chameleon",):
+        raise ValueError(f"policy.name={policy.name!r}: use chameleon, {', '.join(POLICIES)}")
+    d_s, source = estimate_d(policy, fault_times=list(fault_times), elapsed_s=elapsed_s)
+    cands = candidates(
+        profile, plan, failed, planner=planner, d_s=d_s, slots=policy.reroute_slots,
+        checkpoint_age_s=checkpoint_age_s, precomputed=precomputed,
+    )
+    feasible = [c for c in cands if c.feasible]
+    note = ""
+    if policy.name != "chameleon":
+        forced = [c for c in feasible if c.name == policy.name]
+        if forced:
+            feasible = forced
+        else:
+            why = next(c.why for c in cands if c.name == policy.name)
+            note = f"forced policy {policy.name} is infeasible ({why}); chose by Eq. 8 instead"
+    best = min(feasible, key=lambda c: (-c.score, c.transition, c.name)) if feasible else None
+    if best is None:
+        note = note or "no feasible candidate: every layer's state is lost and no checkpoint exists"
+    return Decision(policy.name, tuple(sorted(failed)), d_s, source, best.name if best else None, tuple(cands), note)

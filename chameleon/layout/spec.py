@@ -1,0 +1,168 @@
+"""Layouts: which devices hold which region of every named tensor under a plan.
+
+Sharding is data. A small rule table maps parameter-name patterns to DTensor
+placements on a stage's TP mesh (column-parallel projections ``Shard(0)``,
+row-parallel ones ``Shard(1)``, everything else ``Replicate()``); :func:`layout_of`
+applies it to every stage of a plan. Shards follow ``torch.chunk`` (ceil-div
+chunks, trailing ranks possibly empty), exactly as DTensor splits a tensor, so a
+device's region here is the local tensor DTensor would give it. TP = 1 is the
+degenerate case: every placement covers the whole tensor.
+
+A region is a box: one half-open ``(start, stop)`` range per tensor dimension.
+Nothing here touches a process group or the model; the model supplies names and
+shapes from outside.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+from chameleon.layout.plan import Plan
+
+Region = tuple[tuple[int, int], ...]
+Rules = tuple[tuple[str, tuple[Placement, ...]], ...]
+
+TP_RULES: Rules = (
+    (r"layers\.\d+\.attention\.w[qkv]", (Shard(0),)),
+    (r"layers\.\d+\.feed_forward\.w[13]", (Shard(0),)),
+    (r"layers\.\d+\.attention\.wo", (Shard(1),)),
+    (r"layers\.\d+\.feed_forward\.w2", (Shard(1),)),
+    (r"layers\.\d+\.(attention_norm|ffn_norm)|norm|tok_embeddings|output", (Replicate(),)),
+)
+"""Llama's TP rules: ``(full-name regex, placements on the stage's 1-D TP mesh)``, first match wins."""
+
+
+class StageNames(Protocol):
+    """The parameter names a stage holds, e.g. the model's ``stage_param_names`` with its config bound."""
+
+    def __call__(self, layers: tuple[int, int], *, first: bool, last: bool) -> Iterable[str]: ...
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One stage's copy of a tensor: its TP mesh (devices in mesh order) and placements on it."""
+
+    devices: tuple[int, ...]
+    placements: tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A named tensor's global shape and every stage that holds it (none when all died)."""
+
+    name: str
+    shape: tuple[int, ...]
+    holders: tuple[Holder, ...]
+
+
+Layout = dict[str, TensorSpec]
+
+
+def placements_for(name: str, *, rules: Rules = TP_RULES) -> tuple[Placement, ...]:
+    """The placements of the first rule whose pattern matches the whole name.
+
+    Raises:
+        ValueError: no rule matches (a new parameter needs a rule, never a silent default).
+    """
+    for pattern, placements in rules:
+        if re.fullmatch(pattern, name):
+            return placements
+    raise ValueError(f"no sharding rule matches tensor {name!r}: add a (pattern, placements) rule for it")
+
+
+def layout_of(
+    plan: Plan,
+    shapes: Mapping[str, tuple[int, ...]],
+    stage_names: StageNames,
+    *,
+    rules: Rules = TP_RULES,
+) -> Layout:
+    """Every named tensor of the plan with its shape and holders, in pipeline-then-stage order.
+
+    Args:
+        plan: the plan; its stage devices may be physical devices or logical slots.
+        shapes: global shape of every tensor name.
+        stage_names: names held by a stage, given its layer range and whether it is first/last.
+        rules: name pattern → placements on the stage's TP mesh.
+
+    Returns:
+        ``{name: TensorSpec}``. A stage without devices contributes its names but no holder.
+    """
+    holders: dict[str, list[Holder]] = {}
+    for pipeline in plan.pipelines:
+        last = pipeline.n_stages - 1
+        for s, stage in enumerate(pipeline.stages):
+            for name in stage_names(stage.layers, first=s == 0, last=s == last):
+                if name not in shapes:
+                    raise ValueError(f"tensor {name!r} of stage layers {stage.layers} has no entry in shapes")
+                held = holders.setdefault(name, [])
+                if stage.devices:
+                    held.append(Holder(stage.devices, placements_for(name, rules=rules)))
+    return {name: TensorSpec(name, tuple(shapes[name]), tuple(h)) for name, h in holders.items()}
+
+
+def shard_region(shape: tuple[int, ...], placements: tuple[Placement, ...], tp_index: int, tp: int) -> Region:
+    """The region rank ``tp_index`` of a ``tp``-device 1-D mesh holds, with DTensor's chunking.
+
+    ``Shard(d)`` cuts dim ``d`` into ``ceil(n / tp)``-sized chunks as ``torch.chunk``
+    does (trailing ranks may get an empty range); ``Replicate()`` holds everything.
+    """
+    if len(placements) != 1:
+        raise ValueError(f"placements {placements} are for a {len(placements)}-D mesh; a stage's TP mesh is 1-D")
+    if not 0 <= tp_index < tp:
+        raise ValueError(f"tp_index={tp_index} is outside a mesh of {tp} devices")
+    region = [(0, n) for n in shape]
+    (placement,) = placements
+    if isinstance(placement, Shard):
+        n = shape[placement.dim]
+        chunk = -(-n // tp)
+        start = min(tp_index * chunk, n)
+        region[placement.dim] = (start, min(start + chunk, n))
+    elif not isinstance(placement, Replicate):
+        raise ValueError(f"placement {placement} is not supported in a layout: use Shard or Replicate")
+    return tuple(region)
+
+
+def device_holdings(layout: Layout) -> dict[int, dict[str, Region]]:
+    """Per device, the region of every tensor it holds (one shard per tensor: a device runs one stage)."""
+    holdings: dict[int, dict[str, Region]] = {}
+    for spec in layout.values():
+        for holder in spec.holders:
+            for t, device in enumerate(holder.devices):
+                region = shard_region(spec.shape, holder.placements, t, len(holder.devices))
+                holdings.setdefault(device, {})[spec.name] = region
+    return holdings
+
+
+def region_shape(region: Region) -> tuple[int, ...]:
+    """The shape of the tensor holding exactly ``region``."""
+    return tuple(stop - start for start, stop in region)
+
+
+def region_numel(region: Region) -> int:
+    """The number of elements in ``region``."""
+    return math.prod(region_shape(region))
+
+
+def intersect(a: Region, b: Region) -> Region | None:
+    """The common part of two regions of the same tensor, or ``None`` when it is empty."""
+    common = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+    return common if all(start < stop for start, stop in common) else None
+
+
+def contains(outer: Region, inner: Region) -> bool:
+    """True when ``inner`` lies inside ``outer``."""
+    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner, strict=True))
+
+
+def local_slices(region: Region, origin: Region) -> tuple[slice, ...]:
+    """Index ``region`` inside a local tensor that holds ``origin`` (which must contain it)."""
+    if not contains(origin, region):
+        raise ValueError(f"region {region} is not inside the held region {origin}")
+    return tuple(slice(r0 - o0, r1 - o0) for (r0, r1), (o0, _) in zip(region, origin, strict=True))

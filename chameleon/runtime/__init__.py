@@ -1,0 +1,1 @@
+"""Workers, controller, schedules, gradient sync and state transfer: the side-effecting edge."""

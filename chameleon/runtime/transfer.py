@@ -1,0 +1,140 @@
+"""Execute a re-layout manifest: the only code that moves training state between devices.
+
+Each parameter travels with its optimizer state: the state is given per *kind*
+(``param``, ``exp_avg``, ``exp_avg_sq``, ...), and every move carries its region
+of every kind. AdamW's scalar ``step`` is the committed step count, the same for
+every parameter, so it is not moved.
+
+Rounds run in manifest order. In a round a device packs everything it sends to
+one peer into one buffer and posts one ``isend`` per peer and one ``irecv`` per
+peer; a link appears in a single round, so no tags are needed. The old state is
+only read, never released, until the whole manifest is done.
+
+Gloo's point-to-point ``Work.is_completed()`` stays ``False`` until ``wait()`` is
+called (checked with torch 2.13), and a blocked ``wait()`` cannot be interrupted
+(``probe.md`` §4). So a daemon thread waits on a round's works while this thread
+calls ``poll()`` between short joins; a fault raised by ``poll`` abandons the
+transfer at once, leaving the thread blocked on the dead generation's group,
+which the runtime never reuses.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from chameleon.layout.relayout import Manifest, Move
+from chameleon.layout.spec import Region, local_slices, region_numel, region_shape
+
+POLL_INTERVAL_S = 0.002
+
+
+def execute_manifest(
+    manifest: Manifest,
+    *,
+    me: int,
+    state: Mapping[str, Mapping[str, torch.Tensor]],
+    rank_of: Mapping[int, int],
+    group: dist.ProcessGroup | None = None,
+    poll: Callable[[], None] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Run this device's part of ``manifest`` and return its state in the new layout.
+
+    Every device of the manifest must call this with the same manifest; a device
+    with no moves returns at once.
+
+    Args:
+        manifest: the moves, from :func:`chameleon.layout.relayout.relayout`.
+        me: this device's id in the manifest.
+        state: per kind, the local shard of every tensor this device holds now
+            (exactly ``manifest.before[me]``; empty for a new device). Every device
+            passes the same kinds.
+        rank_of: device id → rank in ``group``.
+        group: the process group to send on (default: the world group).
+        poll: called between checks while waiting; raise from it to abandon the transfer.
+        dtype: dtype of every state tensor.
+
+    Returns:
+        Per kind, a new local shard of every tensor in ``manifest.after[me]``.
+
+    Raises:
+        ValueError: ``state`` does not match ``manifest.before[me]``.
+    """
+    before = manifest.before.get(me, {})
+    kinds = sorted(state)
+    for kind in kinds:
+        shapes = {name: tuple(t.shape) for name, t in state[kind].items()}
+        expected = {name: region_shape(region) for name, region in before.items()}
+        if shapes != expected or any(t.dtype != dtype for t in state[kind].values()):
+            raise ValueError(f"state[{kind!r}] of device {me} does not match the manifest's regions and {dtype}")
+    after = manifest.after.get(me, {})
+    new = {
+        kind: {name: torch.empty(region_shape(region), dtype=dtype) for name, region in after.items()}
+        for kind in kinds
+    }
+    for move in manifest.local:
+        if move.dst == me:
+            for kind in kinds:
+                _target(new[kind], after, move).copy_(_source(state[kind], before, move))
+    for moves in manifest.rounds:
+        outgoing: dict[int, list[Move]] = {}
+        incoming: dict[int, list[Move]] = {}
+        for move in moves:
+            if move.src == me:
+                outgoing.setdefault(move.dst, []).append(move)
+            elif move.dst == me:
+                incoming.setdefault(move.src, []).append(move)
+        if not outgoing and not incoming:
+            continue
+        works, received = [], []
+        for dst, out in outgoing.items():
+            parts = [_source(state[kind], before, m).reshape(-1) for m in out for kind in kinds]
+            works.append(dist.isend(torch.cat(parts), group=group, group_dst=rank_of[dst]))
+        for src, into in incoming.items():
+            buffer = torch.empty(sum(region_numel(m.region) for m in into) * len(kinds), dtype=dtype)
+            works.append(dist.irecv(buffer, group=group, group_src=rank_of[src]))
+            received.append((buffer, into))
+        _wait(works, poll)
+        for buffer, into in received:
+            offset = 0
+            for m in into:
+                n = region_numel(m.region)
+                for kind in kinds:
+                    _target(new[kind], after, m).copy_(buffer[offset : offset + n].view(region_shape(m.region)))
+                    offset += n
+    return new
+
+
+def _source(held: Mapping[str, torch.Tensor], before: Mapping[str, Region], move: Move) -> torch.Tensor:
+    """The part of a held local shard that ``move`` sends."""
+    return held[move.name][local_slices(move.region, before[move.name])]
+
+
+def _target(new: Mapping[str, torch.Tensor], after: Mapping[str, Region], move: Move) -> torch.Tensor:
+    """The part of a new local shard that ``move`` fills."""
+    return new[move.name][local_slices(move.region, after[move.name])]
+
+
+def _wait(works: list[dist.Work], poll: Callable[[], None] | None) -> None:
+    """Wait for ``works`` in a helper thread, calling ``poll`` until they finish; re-raise their error."""
+    errors: list[BaseException] = []
+
+    def wait_all() -> None:
+        try:
+            for work in works:
+                work.wait()
+        except BaseException as err:  # handed to the polling thread, which raises it
+            errors.append(err)
+
+    waiter = threading.Thread(target=wait_all, name="manifest-wait", daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        if poll is not None:
+            poll()
+        waiter.join(POLL_INTERVAL_S)
+    if errors:
+        raise errors[0]

@@ -1,0 +1,1 @@
+"""Discrete-event simulation of long runs on large clusters, driving the real decision centre."""

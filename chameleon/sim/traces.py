@@ -1,0 +1,147 @@
+"""Fault traces: timed removals and re-joins of devices.
+
+A trace is a sorted tuple of :class:`Event`. Oobleck's artifact traces are CSV
+lines ``ms,add|remove,nodeX``; :func:`read_csv` and :func:`write_csv` speak that
+format, :func:`oobleck_trace` generates its fixed-interval removals and
+:func:`poisson_trace` draws exponential device and node faults with repairs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from chameleon.sim.config import TraceConfig
+
+_LINE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*,\s*(add|remove)\s*,\s*node(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class Event:
+    """At ``time_s`` the ``devices`` fail (``kind="remove"``) or come back (``"add"``)."""
+
+    time_s: float
+    kind: str
+    devices: tuple[int, ...]
+
+
+def node_devices(node: int, node_size: int) -> tuple[int, ...]:
+    """Devices of trace node ``node``."""
+    return tuple(range(node * node_size, (node + 1) * node_size))
+
+
+def read_csv(path: str | Path, *, node_size: int) -> tuple[Event, ...]:
+    """Parse an Oobleck-format trace; a header or blank lines are skipped.
+
+    Raises:
+        ValueError: On a line that is neither blank, a header, nor ``ms,add|remove,nodeX``.
+    """
+    events = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip() or (n == 1 and not line.lstrip()[:1].isdigit()):
+            continue
+        match = _LINE.match(line)
+        if match is None:
+            raise ValueError(f"{path}:{n}: {line!r} is not 'ms,add|remove,nodeX'")
+        ms, kind, node = match.groups()
+        events.append(Event(float(ms) / 1000.0, kind, node_devices(int(node), node_size)))
+    return tuple(sorted(events, key=lambda e: e.time_s))
+
+
+def write_csv(events: tuple[Event, ...], path: str | Path, *, node_size: int) -> Path:
+    """Write ``events`` (each a whole trace node) as ``ms,add|remove,nodeX`` lines."""
+    lines = [f"{round(e.time_s * 1000)},{e.kind},node{e.devices[0] // node_size}" for e in events]
+    Path(path).write_text("\n".join(lines) + "\n")
+    return Path(path)
+
+
+def oobleck_trace(*, n_nodes: int, interval_s: float, n_removals: int, node_size: int, seed: int) -> tuple[Event, ...]:
+    """One random remaining node removed every ``interval_s``, ``n_removals`` times, never re-added."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(n_nodes)[: min(n_removals, n_nodes)]
+    return tuple(Event((i + 1) * interval_s, "remove", node_devices(int(x), node_size)) for i, x in enumerate(order))
+
+
+def poisson_trace(
+    *, n_devices: int, devices_per_node: int, horizon_s: float, device_mtbf_s: float, node_mtbf_s: float | None,
+    repair_s: float | None, seed: int,
+) -> tuple[Event, ...]:
+    """Exponential faults per device and per node, each failed device back ``repair_s`` later.
+
+    Every device (and node) alternates up-times drawn with its MTBF and repairs of
+    ``repair_s``; a node fault takes its devices that are still up. Events at the
+    same instant merge.
+    """
+    rng = np.random.default_rng(seed)
+    down_until = np.zeros(n_devices)
+    faults: list[tuple[float, tuple[int, ...]]] = []
+    sources = [(device_mtbf_s, (d,)) for d in range(n_devices)]
+    if node_mtbf_s is not None:
+        sources += [(node_mtbf_s, tuple(range(n, min(n + devices_per_node, n_devices)))) for n in range(0, n_devices, devices_per_node)]
+    for mtbf, devices in sources:
+        t = rng.exponential(mtbf)
+        while t < horizon_s:
+            faults.append((t, devices))
+            t += (repair_s or math.inf) + rng.exponential(mtbf)
+    events = []
+    for t, devices in sorted(faults):
+        up = tuple(d for d in devices if down_until[d] <= t)
+        if not up:
+            continue
+        down_until[list(up)] = t + (repair_s if repair_s is not None else math.inf)
+        events.append(Event(t, "remove", up))
+        if repair_s is not None and t + repair_s < horizon_s:
+            events.append(Event(t + repair_s, "add", up))
+    return _merge(events)
+
+
+def _merge(events: list[Event]) -> tuple[Event, ...]:
+    out: dict[tuple[float, str], list[int]] = {}
+    for e in sorted(events, key=lambda e: (e.time_s, e.kind != "add")):
+        out.setdefault((e.time_s, e.kind), []).extend(e.devices)
+    return tuple(Event(t, k, tuple(sorted(ds))) for (t, k), ds in out.items())
+
+
+def build_trace(cfg: TraceConfig, *, n_devices: int, devices_per_node: int, horizon_s: float) -> tuple[Event, ...]:
+    """The events of ``cfg`` before ``horizon_s``.
+
+    Raises:
+        ValueError: On an unknown ``trace.kind`` or a ``csv`` trace without ``trace.path``.
+    """
+    if cfg.kind == "none":
+        events: tuple[Event, ...] = ()
+    elif cfg.kind == "poisson":
+        events = poisson_trace(
+            n_devices=n_devices, devices_per_node=devices_per_node, horizon_s=horizon_s,
+            device_mtbf_s=cfg.device_mtbf_h * 3600, node_mtbf_s=None if cfg.node_mtbf_h is None else cfg.node_mtbf_h * 3600,
+            repair_s=None if cfg.repair_h is None else cfg.repair_h * 3600, seed=cfg.seed,
+        )
+    elif cfg.kind == "oobleck":
+        events = oobleck_trace(
+            n_nodes=n_devices // cfg.node_size, interval_s=cfg.interval_s, n_removals=cfg.n_removals,
+            node_size=cfg.node_size, seed=cfg.seed,
+        )
+    elif cfg.kind == "csv":
+        if not cfg.path:
+            raise ValueError("trace.kind=csv needs trace.path=FILE (lines 'ms,add|remove,nodeX')")
+        events = read_csv(cfg.path, node_size=cfg.node_size)
+    else:
+        raise ValueError(f"trace.kind={cfg.kind!r}: use poisson, oobleck, csv or none")
+    return tuple(e for e in events if e.time_s < horizon_s and all(d < n_devices for d in e.devices))
+
+
+def nominal_mtbf_s(cfg: TraceConfig, *, n_devices: int, devices_per_node: int, events: tuple[Event, ...], horizon_s: float) -> float:
+    """The cluster's mean time between faults as an operator would configure it (Young/Daly input)."""
+    if cfg.kind == "poisson":
+        rate = n_devices / (cfg.device_mtbf_h * 3600)
+        if cfg.node_mtbf_h is not None:
+            rate += -(-n_devices // devices_per_node) / (cfg.node_mtbf_h * 3600)
+        return 1 / rate
+    if cfg.kind == "oobleck":
+        return cfg.interval_s
+    removals = sum(e.kind == "remove" for e in events)
+    return horizon_s / max(removals, 1)

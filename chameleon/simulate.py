@@ -1,0 +1,109 @@
+"""``python -m chameleon.simulate``: policies compared on a simulated long run under a fault trace.
+
+Example::
+
+    python -m chameleon.simulate +recipe=llama7b cluster=ascend910b_32 trace=oobleck trace.interval_s=1800 \\
+        sim.horizon_h=8
+    python -m chameleon.simulate --multirun +recipe=llama7b cluster=ascend910b_32 trace=oobleck \\
+        trace.interval_s=21600,3600,600
+    python -m chameleon.sim.report multirun/DATE/TIME     # one table across the sweep
+
+Every policy in ``sim.policies`` runs on the same trace, driving the real planner,
+estimator and selector. The run dir gets ``summary.json`` (every run, its time
+breakdown and each recovery), ``table.md``, ``throughput.png`` and ``breakdown.png``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from chameleon.config import CONF_DIR, build_plan, model_config, register_configs
+from chameleon.decision.config import ClusterConfig, PolicyConfig
+from chameleon.decision.profiler import load_profile
+from chameleon.layout.plan import Plan
+from chameleon.report.outputs import write_json
+from chameleon.sim import report
+from chameleon.sim.config import SimConfig, TraceConfig
+from chameleon.sim.engine import RunResult, Setup, simulate
+from chameleon.sim.policies import Planning
+from chameleon.sim.traces import Event, build_trace, nominal_mtbf_s
+
+register_configs()
+
+
+def _typed(cfg: DictConfig, key: str, schema: type):
+    node = cfg.get(key)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node if node is not None else {}))
+
+
+def prepare(cfg: DictConfig) -> tuple[Setup, tuple[Event, ...], float, SimConfig]:
+    """The simulation of a composed config: setup, trace events, horizon in seconds, sim options.
+
+    Raises:
+        ValueError: When ``sim.initial=recipe`` and the recipe's devices differ from ``cluster.n_devices``.
+    """
+    sim, trace = _typed(cfg, "sim", SimConfig), _typed(cfg, "trace", TraceConfig)
+    cluster, policy = _typed(cfg, "cluster", ClusterConfig), _typed(cfg, "policy", PolicyConfig)
+    profile = load_profile(model_config(cfg), cluster, micro_batch=cfg.train.micro_batch, seq_len=cfg.train.seq_len, tp=cfg.parallel.tp)
+    planning = Planning(profile, policy)
+    plan = _initial_plan(cfg, sim, cluster, planning)
+    horizon_s = sim.horizon_h * 3600
+    events = build_trace(trace, n_devices=cluster.n_devices, devices_per_node=cluster.devices_per_node, horizon_s=horizon_s)
+    mtbf = nominal_mtbf_s(trace, n_devices=cluster.n_devices, devices_per_node=cluster.devices_per_node, events=events, horizon_s=horizon_s)
+    return Setup(planning, plan, policy, mtbf, sim.redundant_hidden), events, horizon_s, sim
+
+
+def _initial_plan(cfg: DictConfig, sim: SimConfig, cluster: ClusterConfig, planning: Planning) -> Plan:
+    if sim.initial == "planner":
+        units = [tuple(range(d, d + cfg.parallel.tp)) for d in range(0, cluster.n_devices - cluster.n_devices % cfg.parallel.tp, cfg.parallel.tp)]
+        n_micro = cfg.train.global_batch // cfg.train.micro_batch
+        return planning.planner.choose(units, n_micro=n_micro, micro_batch_size=cfg.train.micro_batch)
+    if sim.initial != "recipe":
+        raise ValueError(f"sim.initial={sim.initial!r}: use recipe or planner")
+    plan = build_plan(cfg)
+    if len(plan.devices) != cluster.n_devices:
+        raise ValueError(
+            f"the recipe's plan uses {len(plan.devices)} devices but cluster.n_devices={cluster.n_devices}: "
+            "set sim.initial=planner to plan the whole cluster, or match parallel.* to the cluster"
+        )
+    return plan
+
+
+def run(cfg: DictConfig) -> tuple[list[RunResult], tuple[Event, ...]]:
+    """Every policy of ``sim.policies`` on the config's trace."""
+    setup, events, horizon_s, sim = prepare(cfg)
+    names = tqdm(sim.policies, desc="policies", disable=not sim.progress)
+    return [simulate(setup, name, events, horizon_s=horizon_s, progress=sim.progress) for name in names], events
+
+
+def write_outputs(results: list[RunResult], events: tuple[Event, ...], out: Path, *, overrides: list[str], plots: bool) -> str:
+    """``summary.json``, ``table.md`` and the plots in ``out``; returns the table."""
+    runs = [r.to_dict() for r in results]
+    title = " ".join(overrides)
+    text = report.table(runs)
+    write_json(out / "summary.json", {"overrides": overrides, "n_events": len(events), "runs": runs})
+    (out / "table.md").write_text(text + "\n")
+    if plots:
+        report.plot_timeline(results, events, out / "throughput.png", title=title)
+        report.plot_breakdown(runs, out / "breakdown.png", title=title)
+    return text
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    results, events = run(cfg)
+    hydra_cfg = HydraConfig.get()
+    out = Path(hydra_cfg.runtime.output_dir)
+    text = write_outputs(results, events, out, overrides=list(hydra_cfg.overrides.task), plots=cfg.sim.plots)
+    print(f"{len(events)} trace events; outputs in {out}\n{text}")
+    print(json.dumps({r.policy: round(r.throughput, 4) for r in results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Estimator: Eq. 9 by hand, uneven 1F1B against an independent event simulation, Eq. 12/14."""
+
+from __future__ import annotations
+
+import heapq
+import random
+
+import pytest
+
+from dataclasses import replace
+
+from chameleon.decision import estimator as est
+from chameleon.decision.config import ClusterConfig
+from chameleon.decision.profiler import Profile, analytic_profile
+from chameleon.layout.plan import even_plan
+from chameleon.model.config import ModelConfig
+
+
+def tiny_profile(*, n_layers: int = 4, memory_gb: float = 1.0, **overrides) -> Profile:
+    """An analytic profile of a small Llama on a made-up 2-node cluster."""
+    cluster = ClusterConfig(
+        name="test", kind="analytic", n_devices=16, devices_per_node=8, peak_tflops=1.0, mfu=0.5,
+        memory_gb=memory_gb, hbm_gbps=100.0, intra_gbps=10.0, inter_gbps=1.0, latency_us=10.0,
+    )
+    model = ModelConfig(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=256)
+    return replace(analytic_profile(model, cluster, micro_batch=1, seq_len=64, tp=1), **overrides)
+
+
+def test_eq9_by_hand():
+    # 4 stages, 8 micro-batches, t_f = 1, t_b = 2: (4 + 8 − 1) · 3 = 33.
+    assert est.pipeline_time([1.0] * 4, [2.0] * 4, 8) == pytest.approx(33.0)
+    assert est.symmetric_step(4, 8, 1.0, 2.0) == pytest.approx(33.0)
+    # One stage runs its micro-batches back to back.
+    assert est.pipeline_time([1.5], [2.5], 5) == pytest.approx(20.0)
+
+
+def _event_simulation(fwd, bwd, n_micro):
+    """Discrete-event run of 1F1B: each stage is a server taking the next op of its
+    fixed schedule once that op's input has arrived (written from the schedule's
+    definition, independently of the estimator's sweep)."""
+    n = len(fwd)
+    queues = []
+    for s in range(n):
+        warm = min(n - 1 - s, n_micro)
+        q = [("F", m) for m in range(warm)]
+        f_next, b_next = warm, 0
+        while f_next < n_micro or b_next < n_micro:
+            if f_next < n_micro:
+                q.append(("F", f_next))
+                f_next += 1
+            if b_next < n_micro:
+                q.append(("B", b_next))
+                b_next += 1
+        queues.append(q)
+    ready = {}
+    for m in range(n_micro):
+        ready[("F", 0, m)] = 0.0
+    free = [0.0] * n
+    idx = [0] * n
+    events = [(0.0, s) for s in range(n)]
+    finish = 0.0
+    while events:
+        now, s = heapq.heappop(events)
+        if idx[s] >= len(queues[s]):
+            continue
+        kind, m = queues[s][idx[s]]
+        key = (kind, s, m)
+        if key not in ready or free[s] > now:
+            continue
+        start = max(now, ready[key], free[s])
+        end = start + (fwd[s] if kind == "F" else bwd[s])
+        free[s] = end
+        idx[s] += 1
+        finish = max(finish, end)
+        if kind == "F":
+            nxt = ("F", s + 1, m) if s + 1 < n else ("B", s, m)
+        else:
+            nxt = ("B", s - 1, m) if s else None
+        if nxt is not None:
+            ready[nxt] = end
+            heapq.heappush(events, (end, nxt[1]))
+        heapq.heappush(events, (end, s))
+    return finish
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_uneven_matches_event_simulation(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 6)
+    fwd = [rng.uniform(0.5, 3.0) for _ in range(n)]
+    bwd = [rng.uniform(0.5, 6.0) for _ in range(n)]
+    m = rng.randint(1, 12)
+    assert est.pipeline_time(fwd, bwd, m) == pytest.approx(_event_simulation(fwd, bwd, m))
+
+
+def test_eq12_single_failure_reroute():
+    from chameleon.decision.selector import reroute_plan
+
+    prof = tiny_profile()
+    plan = even_plan(dp=4, pp=2, tp=1, n_layers=prof.n_layers, global_batch=24, micro_batch=1)
+    rr = reroute_plan(plan, {1})
+    fwd, bwd = est.stage_cost(prof, 2, first=False, last=True)
+    # Eq. 12: N_m / (N_dp − 1) extra slots of the lost stage.
+    assert est.reroute_extra(prof, rr) == pytest.approx(6 / 3 * (fwd + bwd))
+    two = reroute_plan(plan, {1, 2})
+    f0, b0 = est.stage_cost(prof, 2, first=True, last=False)
+    assert est.reroute_extra(prof, two, slots="sum") == pytest.approx(2 * (fwd + bwd) + 2 * (f0 + b0))
+    assert est.reroute_extra(prof, two, slots="max") == pytest.approx(2 * max(fwd + bwd, f0 + b0))
+
+
+def test_slowest_pipeline_sets_step_and_eq14_memory():
+    prof = tiny_profile()
+    plan = even_plan(dp=2, pp=2, tp=1, n_layers=prof.n_layers, global_batch=8, micro_batch=1)
+    e = est.estimate_step(prof, plan)
+    assert e.t_step == pytest.approx(max(e.pipelines) + e.sync + e.optimizer)
+    assert e.sync_rounds == 1
+    mem = est.memory_per_device(prof, plan)
+    per_param = 2 * prof.bytes_per_elem + prof.optim_bytes_per_elem
+    stage0 = (2 * prof.layer_params + prof.first_params) * per_param + 2 * (2 * prof.layer_act_bytes + prof.first_act_bytes)
+    stage1 = (2 * prof.layer_params + prof.last_params) * per_param + 1 * (2 * prof.layer_act_bytes + prof.last_act_bytes)
+    assert mem[0] == pytest.approx(stage0) and mem[1] == pytest.approx(stage1)
+
+
+def test_uneven_sync_needs_rounds():
+    from chameleon.layout.plan import plan_from_spec
+
+    prof = tiny_profile()
+    plan = plan_from_spec([{"layers": [2, 2], "micro_batches": 4}, {"layers": [1, 3], "micro_batches": 4}],
+                          tp=1, n_layers=4, global_batch=8, micro_batch=1)
+    _, rounds = est.sync_time(prof, plan)
+    # buckets {emb,0}, {1}, {2,3,head}: {emb,0} and {1} share pipeline 0's stage 0, {1} and {2,3} pipeline 1's stage 1.
+    assert rounds == 2

@@ -1,0 +1,113 @@
+"""Planner: equals exhaustive search on small cases; plans are memory-feasible and use every survivor."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from chameleon.decision import estimator as est
+from chameleon.decision.planner import Planner, precompute_single_faults
+from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage, even_plan, validate_plan
+from tests.test_decision_estimator import tiny_profile
+
+
+def _compositions(total, parts):
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        yield [b - a for a, b in zip((0,) + cuts, cuts + (total,))]
+
+
+def _partitions(n, lengths, smallest=1):
+    if n == 0:
+        yield []
+    for p in lengths:
+        if p >= smallest and p <= n:
+            for rest in _partitions(n - p, lengths, p):
+                yield [p] + rest
+
+
+def _exhaustive(profile, n_units, n_micro, lengths, dp_degrees=None):
+    """Every partition × every layer split per pipeline × every micro-batch share, exact estimator."""
+    best = math.inf
+    for part in _partitions(n_units, lengths):
+        if len(part) > n_micro or (dp_degrees and len(part) not in dp_degrees):
+            continue
+        splits = [list(_compositions(profile.n_layers, p)) for p in part]
+        for layer_choice in itertools.product(*splits):
+            for micro in _compositions(n_micro, len(part)):
+                dev = iter(range(n_units))
+                pipes = []
+                for sizes, m in zip(layer_choice, micro):
+                    bounds = list(itertools.accumulate([0] + sizes))
+                    pipes.append(Pipeline(tuple(Stage((next(dev),), (a, b)) for a, b in zip(bounds, bounds[1:])), m))
+                plan = Plan(profile.n_layers, 1, tuple(pipes))
+                if max(est.memory_per_device(profile, plan).values()) > profile.memory_bytes:
+                    continue
+                best = min(best, est.estimate_step(profile, plan).t_step)
+    return best
+
+
+@pytest.mark.parametrize(
+    "n_units,n_micro,memory_gb,inter_gbps",
+    [(3, 4, 1.0, 1.0), (4, 5, 1.0, 1.0), (5, 6, 0.0045, 1.0), (5, 8, 1.0, 10.0), (7, 9, 1.0, 10.0),
+     (6, 12, 0.0045, 10.0),
+     # DP sync of the heaviest stage dominates: a split with a lighter embedding stage wins.
+     (5, 4, 1.0, 0.05), (6, 4, 1.0, 1.0)],
+)
+def test_fast_planner_equals_exhaustive(n_units, n_micro, memory_gb, inter_gbps):
+    prof = tiny_profile(memory_gb=memory_gb, dp_bw=inter_gbps * 1e9)
+    lengths = range(1, prof.n_layers + 1)
+    want = _exhaustive(prof, n_units, n_micro, lengths)
+    got = Planner(prof).best([(d,) for d in range(n_units)], n_micro=n_micro, micro_batch_size=1)
+    assert got.estimate.t_step == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_planner_equals_exhaustive_on_random_small_cases(seed):
+    rng = random.Random(seed)
+    prof = tiny_profile(n_layers=rng.choice([3, 4, 5]), memory_gb=rng.choice([1.0, 0.0045]),
+                        dp_bw=rng.choice([0.05, 1.0, 10.0]) * 1e9)
+    n_units, n_micro = rng.randint(2, 6), rng.randint(2, 9)
+    lengths = sorted(rng.sample(range(1, prof.n_layers + 1), rng.randint(2, prof.n_layers)))
+    dp_degrees = sorted(rng.sample(range(1, n_units + 1), rng.randint(1, n_units)))
+    want = _exhaustive(prof, n_units, n_micro, lengths, dp_degrees)
+    planner = Planner(prof, pp_lengths=tuple(lengths), dp_degrees=tuple(dp_degrees))
+    units = [(d,) for d in range(n_units)]
+    if math.isinf(want):
+        with pytest.raises(PlanError):
+            planner.best(units, n_micro=n_micro, micro_batch_size=1)
+    else:
+        assert planner.best(units, n_micro=n_micro, micro_batch_size=1).estimate.t_step == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("n_units", [7, 13, 31])
+def test_plans_are_feasible_and_use_every_survivor(n_units):
+    prof = tiny_profile(n_layers=8, memory_gb=0.006)
+    planner = Planner(prof)
+    units = [(d,) for d in range(100, 100 + n_units)]
+    result = planner.best(units, n_micro=64, micro_batch_size=2)
+    validate_plan(result.plan)
+    assert sorted(result.plan.devices) == [u[0] for u in units]
+    assert result.plan.n_micro_batches == 64
+    assert max(est.memory_per_device(prof, result.plan).values()) <= prof.memory_bytes
+
+
+def test_tp_groups_are_units_and_ranges_are_respected():
+    prof = tiny_profile(n_layers=8)
+    planner = Planner(prof, pp_lengths=(2, 3), dp_degrees=(2, 3))
+    units = [(2 * i, 2 * i + 1) for i in range(7)]
+    plan = planner.best(units, n_micro=12, micro_batch_size=1).plan
+    assert {p.n_stages for p in plan.pipelines} <= {2, 3} and plan.dp in (2, 3)
+    assert all(st.devices in units for p in plan.pipelines for st in p.stages)
+
+
+def test_precompute_single_faults_is_a_lookup_per_device():
+    prof = tiny_profile(n_layers=8)
+    plan = even_plan(dp=2, pp=4, tp=1, n_layers=8, global_batch=16, micro_batch=1)
+    table = precompute_single_faults(plan, Planner(prof))
+    assert sorted(table) == list(range(8))
+    for dead, new in table.items():
+        validate_plan(new)
+        assert sorted(new.devices) == [d for d in range(8) if d != dead]

@@ -1,0 +1,159 @@
+"""Simulator: accounting, determinism, policy ordering, traces, placement and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from scipy.optimize import linear_sum_assignment
+
+from chameleon.config import CONF_DIR, register_configs
+from chameleon.decision import estimator as est
+from chameleon.decision.planner import place, stage_units
+from chameleon.sim.engine import simulate
+from chameleon.sim.traces import Event, oobleck_trace, poisson_trace, read_csv, write_csv
+from chameleon.simulate import prepare
+from tests.conftest import ENV
+
+register_configs()
+BASE = ("+recipe=llama7b", "cluster=ascend910b_32", "sim.progress=false", "sim.plots=false")
+ALL = ("chameleon", "reroute", "dynamic", "dynamic_naive", "redundant", "checkpoint", "torchft", "oracle")
+
+
+def setup_for(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=[*BASE, *overrides])
+    return prepare(cfg)
+
+
+def run_all(*overrides: str, policies=ALL):
+    setup, events, horizon, _ = setup_for(*overrides)
+    return {p: simulate(setup, p, events, horizon_s=horizon) for p in policies}, setup, events, horizon
+
+
+def test_no_fault_runs_at_the_estimators_failure_free_throughput():
+    runs, setup, events, horizon = run_all("trace=none", "sim.horizon_h=2")
+    assert events == ()
+    ff = setup.plan.global_batch / est.estimate_step(setup.planning.profile, setup.plan).t_step
+    for name, res in runs.items():
+        if name == "redundant":  # pays its shadow forward before any fault
+            assert res.throughput < 0.9 * ff and res.breakdown["degraded"] > 0
+        elif name == "checkpoint":  # pays its checkpoint writes
+            assert res.throughput < ff and res.breakdown["transition"] > 0
+        else:
+            assert res.throughput == pytest.approx(ff, rel=1e-9)
+            assert res.breakdown["useful"] == pytest.approx(horizon)
+
+
+def test_checkpoint_writes_follow_young_daly():
+    runs, setup, _, horizon = run_all("trace=none", "sim.horizon_h=6", policies=("checkpoint",))
+    write = est.checkpoint_time(setup.planning.profile, setup.plan.n_layers)
+    interval = math.sqrt(2 * write * setup.mtbf_s)
+    n_writes = math.floor((horizon - interval) / (interval + write)) + 1
+    assert runs["checkpoint"].breakdown["transition"] == pytest.approx(n_writes * write, rel=1e-6)
+
+
+@pytest.mark.parametrize("trace", [("trace=oobleck", "trace.interval_s=1800", "sim.horizon_h=8"),
+                                   ("trace=poisson", "trace.device_mtbf_h=40", "trace.repair_h=1", "sim.horizon_h=12")])
+def test_time_breakdown_sums_to_the_horizon(trace):
+    runs, _, events, horizon = run_all(*trace)
+    assert any(e.kind == "remove" for e in events)
+    for res in runs.values():
+        assert sum(res.breakdown.values()) == pytest.approx(horizon, rel=1e-9)
+        assert all(v >= -1e-9 for v in res.breakdown.values())
+        assert sum(e - s for s, e, _ in res.timeline) == pytest.approx(horizon, rel=1e-9)
+
+
+def test_same_seed_same_result_other_seed_differs():
+    a = run_all("trace=poisson", "trace.device_mtbf_h=40", "sim.horizon_h=6", policies=("chameleon", "torchft"))
+    b = run_all("trace=poisson", "trace.device_mtbf_h=40", "sim.horizon_h=6", policies=("chameleon", "torchft"))
+    c = run_all("trace=poisson", "trace.device_mtbf_h=40", "sim.horizon_h=6", "trace.seed=1", policies=("chameleon",))
+    assert a[2] == b[2] and a[2] != c[2]
+    assert [r.to_dict() for r in a[0].values()] == [r.to_dict() for r in b[0].values()]
+    assert a[0]["chameleon"].samples != c[0]["chameleon"].samples
+
+
+@pytest.mark.parametrize("interval, winner, loser", [(60, "reroute", "dynamic"), (21600, "dynamic", "reroute")])
+def test_frequent_faults_favour_reroute_rare_ones_dynamic(interval, winner, loser):
+    # Moving optimizer state is made 100× dearer (memory unbounded): the dynamic transition grows, sync does not.
+    runs, *_ = run_all(
+        "cluster.optim_bytes_per_elem=1200", "cluster.memory_gb=100000", f"policy.mtbf_prior_s={interval}",
+        "trace=oobleck", f"trace.interval_s={interval}", "trace.n_removals=3", f"sim.horizon_h={4 * interval / 3600}",
+        policies=("chameleon", "reroute", "dynamic", "oracle"),
+    )
+    assert runs[winner].throughput > runs[loser].throughput
+    for name in ("chameleon", "oracle"):
+        assert {r["choice"] for r in runs[name].recoveries} == {winner}
+        assert runs[name].throughput == pytest.approx(runs[winner].throughput)
+
+
+def test_naive_transfer_moves_more_and_torchft_shrinks_the_batch():
+    runs, setup, *_ = run_all("trace=oobleck", "trace.interval_s=3600", "trace.n_removals=3", "sim.horizon_h=4",
+                              policies=("dynamic", "dynamic_naive", "torchft"))
+    naive = sum(r["pause_s"] for r in runs["dynamic_naive"].recoveries)
+    assert naive > sum(r["pause_s"] for r in runs["dynamic"].recoveries)
+    batches = [r["post_over_failure_free"] for r in runs["torchft"].recoveries]
+    assert all(b < 1 for b in batches) and batches == sorted(batches, reverse=True)
+
+
+def test_placement_is_the_hungarian_optimum():
+    setup, *_ = setup_for("trace=none")
+    plan, planning = setup.plan, setup.planning
+    for failed in ({5}, {0, 13}, {7, 8, 31}):
+        units = stage_units(plan, failed)
+        filled = planning.replan(units, plan, hungarian=False)
+        placed = place(filled, plan, planning.profile)
+        held = est.held_params(plan)
+        slots = [(j, s) for j, p in enumerate(filled.pipelines) for s in range(p.n_stages)]
+        after = est.held_params(filled)
+        slot_units = [after[filled.pipelines[j].stages[s].devices[0]] for j, s in slots]
+        groups = [u[0] for u in units]
+        cost = np.array([[sum(planning.profile.migrate_bytes(est.unit_params(planning.profile, plan.n_layers, u))
+                              for u in need_units - held.get(g, set())) for g in groups] for need_units in slot_units])
+        rows, cols = linear_sum_assignment(cost)
+        assert est.migration_time(planning.profile, plan, placed)[1] == pytest.approx(cost[rows, cols].sum())
+
+
+def test_traces_round_trip_and_generators(tmp_path):
+    events = oobleck_trace(n_nodes=30, interval_s=600, n_removals=15, node_size=2, seed=3)
+    assert [e.time_s for e in events] == [600 * (i + 1) for i in range(15)]
+    assert len({e.devices for e in events}) == 15 and all(len(e.devices) == 2 for e in events)
+    path = write_csv(events + (Event(99_000.0, "add", (4, 5)),), tmp_path / "t.csv", node_size=2)
+    assert path.read_text().splitlines()[0] == f"600000,remove,node{events[0].devices[0] // 2}"
+    assert read_csv(path, node_size=2) == events + (Event(99_000.0, "add", (4, 5)),)
+    (tmp_path / "h.csv").write_text("ms,event,node\n1500,remove,node7\n\n2500,add,node7\n")
+    assert read_csv(tmp_path / "h.csv", node_size=1) == (Event(1.5, "remove", (7,)), Event(2.5, "add", (7,)))
+    (tmp_path / "bad.csv").write_text("1500,explode,node7\n")
+    with pytest.raises(ValueError, match="bad.csv:1"):
+        read_csv(tmp_path / "bad.csv", node_size=1)
+    trace = poisson_trace(n_devices=64, devices_per_node=8, horizon_s=1e6, device_mtbf_s=2e5, node_mtbf_s=5e5, repair_s=1e4, seed=0)
+    assert trace == poisson_trace(n_devices=64, devices_per_node=8, horizon_s=1e6, device_mtbf_s=2e5, node_mtbf_s=5e5, repair_s=1e4, seed=0)
+    down: dict[int, float] = {}
+    for e in trace:
+        for d in e.devices:
+            if e.kind == "remove":
+                assert d not in down
+                down[d] = e.time_s
+            else:
+                assert e.time_s == pytest.approx(down.pop(d) + 1e4)
+    assert any(len(e.devices) == 8 and e.kind == "remove" for e in trace)  # a whole node failed at once
+
+
+def test_cli_multirun_and_sweep_table(tmp_path):
+    cmd = [sys.executable, "-m", "chameleon.simulate", "--multirun", *BASE, "trace=oobleck", "trace.n_removals=2",
+           "trace.interval_s=1800,3600", "sim.horizon_h=2", "sim.plots=true", "sim.policies=[chameleon,reroute]",
+           f"hydra.sweep.dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for job in ("0", "1"):
+        summary = json.loads((tmp_path / job / "summary.json").read_text())
+        assert [r["policy"] for r in summary["runs"]] == ["chameleon", "reroute"]
+        assert (tmp_path / job / "throughput.png").stat().st_size > 0 and (tmp_path / job / "breakdown.png").exists()
+    out = subprocess.run([sys.executable, "-m", "chameleon.sim.report", str(tmp_path)], capture_output=True, text=True, env=ENV)
+    rows = [line for line in out.stdout.splitlines() if "trace.interval_s=" in line]
+    assert len(rows) == 4 and "| chameleon |" in rows[0]
