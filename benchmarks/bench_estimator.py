@@ -48,7 +48,7 @@ PLANS = {
 def measure(overrides: tuple[str, ...], run_dir: Path, steps: int) -> dict:
     """Train with ``overrides`` in real worker processes; the run's summary.json."""
     cmd = [sys.executable, "-m", "chameleon.train", f"hydra.run.dir={run_dir}", "output.progress=false",
-           f"train.steps={steps}", *SHAPE, *overrides]
+           "launcher.timeout_s=300", f"train.steps={steps}", *SHAPE, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600)
     if proc.returncode != 0:
@@ -77,7 +77,7 @@ def main() -> None:
               f"{profile.layer_bwd_s * 1e3:.2f} ms, head fwd {profile.last_fwd_s * 1e3:.2f} ms, "
               f"bwd {profile.last_bwd_s * 1e3:.2f} ms, p2p {profile.p2p_latency_s * 1e6:.0f} µs, "
               f"all-reduce {profile.dp_latency_s * 1e6:.0f} µs + {profile.dp_bw / 1e9:.2f} GB/s")
-        print(f"{'plan':<9} {'procs':>5} {'est. s':>8} {'meas. s':>8} {'error':>7}  estimate parts")
+        print(f"{'plan':<9} {'procs':>5} {'est. s':>8} {'meas. s':>8} {'error':>7} {'load':>5}  estimate parts")
         errors = []
         for name in args.plans:
             cfg = compose(config_name="config", overrides=[*SHAPE, *PLANS[name]])
@@ -87,8 +87,9 @@ def main() -> None:
             measured = summary["mean_step_time_s"]
             errors.append(abs(est.t_step - measured) / measured)
             print(f"{name:<9} {cfg.launcher.nproc:>5} {est.t_step:>8.4f} {measured:>8.4f} "
-                  f"{100 * (est.t_step - measured) / measured:>+6.1f}%  compute {est.compute:.4f}, sync "
-                  f"{est.sync:.4f} ({est.sync_rounds} rounds), optimizer {est.optimizer:.4f}", flush=True)
+                  f"{100 * (est.t_step - measured) / measured:>+6.1f}% {os.getloadavg()[0]:>5.2f}  "
+                  f"{est.cpu_share:g} × (compute {est.compute:.4f} + sync {est.sync:.4f} in {est.sync_rounds} rounds "
+                  f"+ optimizer {est.optimizer:.4f})", flush=True)
     print(f"median |error| {100 * statistics.median(errors):.1f}% over {len(errors)} plans "
           f"(goal ≤ 10%); max {100 * max(errors):.1f}%")
 

@@ -16,6 +16,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from chameleon.decision.config import ClusterConfig, PlanQueryConfig, PolicyConfig
 from chameleon.layout.plan import Plan, PlanError, even_plan, plan_from_spec
+from chameleon.runtime.faults import FailureConfig, planned_faults
 from chameleon.model.config import ModelConfig
 from chameleon.sim.config import SimConfig, TraceConfig
 
@@ -77,8 +78,15 @@ class LauncherConfig:
 
 
 @dataclass
-class FailureConfig:
-    kind: str = "none"
+class FaultToleranceConfig:
+    heartbeat_timeout_s: float = 2.0  # a worker silent this long is declared hung and fenced (SIGKILL)
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # save every N committed steps; 0 disables checkpoints
+    dir: str | None = None  # None: <run dir>/checkpoints
+    keep: int = 2
 
 
 @dataclass
@@ -96,6 +104,8 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     plan: PlanQueryConfig = field(default_factory=PlanQueryConfig)
@@ -185,6 +195,12 @@ def validate(cfg: DictConfig) -> Plan:
         f"set launcher.nproc={len(plan.devices)}",
     )
     _check_memory(cfg, plan)
+    try:
+        planned_faults(OmegaConf.to_container(cfg.failure, resolve=True), world=launcher.nproc)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _check(cfg.ft.heartbeat_timeout_s > 0, f"ft.heartbeat_timeout_s={cfg.ft.heartbeat_timeout_s}: must be > 0")
+    _check(cfg.ckpt.interval >= 0, f"ckpt.interval={cfg.ckpt.interval}: use 0 (off) or a positive step count")
     return plan
 
 

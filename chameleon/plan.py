@@ -21,7 +21,7 @@ from chameleon.decision.config import ClusterConfig, PlanQueryConfig, PolicyConf
 from chameleon.decision.estimator import estimate_step, memory_per_device
 from chameleon.decision.planner import Planner
 from chameleon.decision.profiler import load_profile
-from chameleon.decision.selector import Decision, decide
+from chameleon.decision.selector import decide
 
 register_configs()
 
@@ -31,19 +31,6 @@ def _typed(cfg: DictConfig, key: str, schema: type):
     node = cfg.get(key)
     merged = OmegaConf.merge(OmegaConf.structured(schema), node if node is not None else {})
     return OmegaConf.to_object(merged)
-
-
-def _table(decision: Decision) -> str:
-    head = f"{'candidate':<11} {'ok':<3} {'t_step s':>10} {'transition s':>13} {'peak GB':>8} {'score':>10}  note"
-    rows = [head, "-" * len(head)]
-    for c in decision.candidates:
-        mark = "→" if c.name == decision.choice else " "
-        fmt = lambda v, spec: "—" if v in (float("inf"), float("-inf")) else format(v, spec)  # noqa: E731
-        rows.append(
-            f"{mark}{c.name:<10} {'yes' if c.feasible else 'no':<3} {fmt(c.t_step, '10.3f')} "
-            f"{fmt(c.transition, '13.3f')} {c.peak_memory / 1e9:8.1f} {fmt(c.score, '10.3f')}  {c.why}"
-        )
-    return "\n".join(rows)
 
 
 def report(cfg: DictConfig) -> str:
@@ -73,7 +60,7 @@ def report(cfg: DictConfig) -> str:
           f"{max(memory_per_device(profile, plan).values()) / 1e9:.1f} GB")
     lines.append(plan.describe())
     lines.append(f"\nfailed devices {list(decision.failed)}; D = {decision.d_s:.0f} s ({decision.d_source}); policy {decision.policy}")
-    lines.append(_table(decision))
+    lines.append(decision.table())
     for c in decision.candidates:
         if c.plan is not None:
             parts = ", ".join(f"{k} {v:.3f}" for k, v in c.transition_parts.items())

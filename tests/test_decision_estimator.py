@@ -130,3 +130,21 @@ def test_uneven_sync_needs_rounds():
     _, rounds = est.sync_time(prof, plan)
     # buckets {emb,0}, {1}, {2,3,head}: {emb,0} and {1} share pipeline 0's stage 0, {1} and {2,3} pipeline 1's stage 1.
     assert rounds == 2
+
+
+def test_cpu_share_stretches_steps_when_processes_outnumber_cores():
+    from chameleon.layout.plan import Pipeline, Plan, Stage
+
+    prof = tiny_profile()
+    shared = replace(prof, host_cores=2.0, devices_per_node=8)
+    plan = even_plan(dp=2, pp=2, tp=1, n_layers=prof.n_layers, global_batch=8, micro_batch=1)
+    alone = est.estimate_step(prof, plan)
+    # 4 processes on 2 cores: each gets half a core for the whole step.
+    assert est.estimate_step(shared, plan).t_step == pytest.approx(2 * alone.t_step)
+    # As many processes as cores: no stretch.
+    two = even_plan(dp=2, pp=1, tp=1, n_layers=prof.n_layers, global_batch=8, micro_batch=1)
+    assert est.estimate_step(shared, two).t_step == pytest.approx(est.estimate_step(prof, two).t_step)
+    # The busiest node sets the stretch: devices 0..2 on node 0, 8 on node 1.
+    spread = Plan(prof.n_layers, 1, (Pipeline((Stage((0,), (0, 2)), Stage((1,), (2, 4))), 4),
+                                     Pipeline((Stage((2,), (0, 2)), Stage((8,), (2, 4))), 4)))
+    assert est.estimate_step(shared, spread).cpu_share == pytest.approx(1.5)

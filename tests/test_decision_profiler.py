@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
+import torch
 
 from chameleon.decision.config import ClusterConfig
 from chameleon.decision.profiler import analytic_profile, load_profile
@@ -15,7 +17,10 @@ from chameleon.model.config import ModelConfig
 def test_measured_profile_is_real_and_cached(tmp_path):
     model = ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, vocab_size=64)
     cluster = ClusterConfig(comm_procs=2, cache_dir=str(tmp_path), n_devices=4)
+    threads = torch.get_num_threads()
     prof = load_profile(model, cluster, micro_batch=2, seq_len=16)
+    assert torch.get_num_threads() == threads  # measured with the workers' 1 thread, then restored
+    assert "1 threads" in prof.source and prof.host_cores == len(os.sched_getaffinity(0))
     assert prof.layer_fwd_s > 0 and prof.layer_bwd_s > 0 and prof.last_fwd_s > 0
     layer_names = llama.stage_param_names(model, (0, 1), first=False, last=False)
     assert prof.layer_params == llama.param_bytes(model, layer_names, bytes_per_elem=1)

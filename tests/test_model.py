@@ -15,7 +15,7 @@ from torch import nn
 
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import (
-    ProcessGroupTP,
+    MegatronTP,
     full_forward_loss,
     init_params,
     param_bytes,
@@ -326,7 +326,7 @@ def _tp_worker(rank: int, world: int, port: int, out_path: str) -> None:
         tokens, targets = batch(cfg, seed=6)
         loss = stage_forward(
             local, cfg, tokens, layers=(0, cfg.n_layers), first=True, last=True, targets=targets,
-            tp=ProcessGroupTP(dist.group.WORLD),
+            tp=MegatronTP(dist.all_reduce),
         )
         (loss / targets.numel()).backward()
         gathered = {}

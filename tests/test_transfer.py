@@ -18,6 +18,7 @@ from chameleon.layout.relayout import place_plan, relabel_plan, relayout
 from chameleon.layout.spec import layout_of
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import param_shapes, stage_param_names
+from chameleon.runtime.comm import Generation, PeerFailure, fault_key
 from chameleon.runtime.transfer import execute_manifest
 
 WORLD = 4
@@ -26,10 +27,6 @@ SHAPES = param_shapes(CFG)
 NAMES = partial(stage_param_names, CFG)
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 FAULT_DEADLINE_S = 0.5
-
-
-class Fault(RuntimeError):
-    """What the runtime's poll raises when the controller flags a failed peer."""
 
 
 def originals() -> dict[str, dict[str, torch.Tensor]]:
@@ -75,7 +72,7 @@ def worker(rank: int, port: int, results, release) -> None:
     try:
         report = run_rank(rank, port, release)
     except BaseException as err:  # reported to the parent, which fails the test with it
-        report = (rank, [f"device {rank}: {err!r}"], 0, "crashed", -1, [])
+        report = (rank, [f"device {rank}: {err!r}"], "crashed", -1, [])
     results.put(report)
     results.close()
     results.join_thread()
@@ -84,49 +81,42 @@ def worker(rank: int, port: int, results, release) -> None:
 
 def run_rank(rank: int, port: int, release) -> tuple:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30)
-    )
+    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=30), wait_for_workers=False)
+    gen = Generation(store, generation=0, devices=range(WORLD), me=rank, backend="gloo", timeout_s=30)
     truth = originals()
     a_to_b, b_to_c, c_to_a, faulty = transitions()
-    rank_of = {d: d for d in range(WORLD)}
-    polls = []
     initial = {k: {n: truth[k][n][box(r)].clone() for n, r in c_to_a.after[rank].items()} for k in KINDS}
     bad: list[str] = []
     if rank == 1:  # device 1 dies during A → B: it takes no part and loses its state
         state = {k: {} for k in KINDS}
     else:
         state = {k: {n: t.clone() for n, t in initial[k].items()} for k in KINDS}
-        state = execute_manifest(a_to_b, me=rank, state=state, rank_of=rank_of)
+        state = execute_manifest(a_to_b, me=rank, state=state, links=gen)
         bad += mismatches(state, a_to_b, rank, truth)
     for manifest in (b_to_c, c_to_a):
-        state = execute_manifest(manifest, me=rank, state=state, rank_of=rank_of, poll=lambda: polls.append(1))
+        state = execute_manifest(manifest, me=rank, state=state, links=gen)
         bad += mismatches(state, manifest, rank, truth)
     for kind in KINDS:
         same = set(state[kind]) == set(initial[kind])
         if not same or not all(torch.equal(state[kind][n], initial[kind][n]) for n in initial[kind]):
             bad.append(f"device {rank}: {kind} is not restored to layout A")
-    dist.barrier()
+    gen.all_reduce(torch.zeros(1))  # a barrier
 
     victim = next(m.src for r in faulty.rounds for m in r if m.dst == 0)
     outcome = "hung"
-    if rank == victim:  # alive but silent, as a hung worker: its peers notice only through poll
+    if rank == victim:  # alive but silent, as a hung worker; then flags the fault as the controller would
+        time.sleep(FAULT_DEADLINE_S)
+        store.set(fault_key(0), "1")
         release.wait(timeout=30)
     else:
-        deadline = time.monotonic() + FAULT_DEADLINE_S
-
-        def poll() -> None:
-            if time.monotonic() > deadline:
-                raise Fault("peer failed")
-
         t0 = time.monotonic()
         try:
-            execute_manifest(faulty, me=rank, state=state, rank_of=rank_of, poll=poll)
+            execute_manifest(faulty, me=rank, state=state, links=gen)
             outcome = "done"
-        except Fault:
+        except PeerFailure:
             outcome = f"raised after {time.monotonic() - t0:.2f}s"
     receivers = sorted({m.dst for r in faulty.rounds for m in r if m.src == victim})
-    return rank, bad, len(polls), outcome, victim, receivers
+    return rank, bad, outcome, victim, receivers
 
 
 def test_a_to_b_to_c_to_a_is_bit_exact_and_faults_abandon_fast():
@@ -162,13 +152,12 @@ def test_a_to_b_to_c_to_a_is_bit_exact_and_faults_abandon_fast():
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-    for rank, (bad, _, _, _, _) in got.items():
+    for rank, (bad, _, _, _) in got.items():
         assert not bad, bad
-    assert all(got[r][1] > 0 for r in range(WORLD)), "poll is called while waiting"
-    _, _, _, victim, receivers = got[0]
-    assert got[victim][2] == "hung" and 0 in receivers
+    _, _, victim, receivers = got[0]
+    assert got[victim][1] == "hung" and 0 in receivers
     for r in receivers:
-        outcome = got[r][2]
+        outcome = got[r][1]
         assert outcome.startswith("raised"), (r, outcome)
         seconds = float(outcome.split()[2].rstrip("s"))
-        assert seconds < FAULT_DEADLINE_S + 2, "the fault is noticed at poll, not at the group timeout"
+        assert seconds < FAULT_DEADLINE_S + 2, "the fault is noticed from the store flag, not at the group timeout"

@@ -2,16 +2,19 @@
 
 Step time = slowest pipeline's 1F1B schedule (Eq. 10/11, an exact longest path
 through the schedule's dependency DAG, stages may differ) + rerouting's extra
-slots (Eq. 12/13) + coloured DP gradient-sync rounds + the optimizer step. Stage
-costs fold the point-to-point activation transfer into the sending stage
-(blocking send), so the closed form ``fill + (m−1)·bottleneck`` is exact for
-uniform stages (Eq. 9). Memory follows Eq. 14 with the embedding and head on the
-first and last stages and ``min(n_stages − s, m)`` activations in flight.
+slots (Eq. 12/13) + coloured DP gradient-sync rounds + the optimizer step, all
+stretched by the CPU share when worker processes outnumber their node's cores
+(CPU profiles only). Stage costs fold the point-to-point activation transfer into
+the sending stage (blocking send), so the closed form ``fill + (m−1)·bottleneck``
+is exact for uniform stages (Eq. 9) and an upper bound otherwise. Memory follows
+Eq. 14 with the embedding and head on the first and last stages and
+``min(n_stages − s, m)`` activations in flight.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from chameleon.decision.profiler import Profile
@@ -22,7 +25,11 @@ REROUTE_SLOTS = ("max", "sum")
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """Estimated step time of a plan and its parts (seconds)."""
+    """Estimated step time of a plan and its parts (seconds).
+
+    ``t_step = cpu_share · (compute + reroute + sync + optimizer)``; the parts are
+    unstretched.
+    """
 
     t_step: float
     compute: float
@@ -31,6 +38,7 @@ class StepEstimate:
     optimizer: float
     sync_rounds: int
     pipelines: tuple[float, ...]
+    cpu_share: float = 1.0
 
 
 def stage_cost(profile: Profile, n_layers: int, *, first: bool, last: bool) -> tuple[float, float]:
@@ -204,8 +212,23 @@ def reroute_extra(profile: Profile, plan: Plan, *, slots: str = "max") -> float:
     return sum(per_stage.values()) if slots == "sum" else max(per_stage.values())
 
 
+def cpu_share(profile: Profile, plan: Plan) -> float:
+    """How much slower every device runs because worker processes outnumber their node's cores.
+
+    CPU devices (``profile.host_cores`` > 0) are processes time-sharing their node's
+    cores. The runtime's waits poll (every millisecond), so a waiting process stays
+    runnable and each of ``P`` processes on ``C`` cores gets ``C/P`` of a core for the
+    whole step: the busiest node stretches it by ``max(1, P/C)``. Every plan over the
+    same devices shares the factor, so it never changes which plan is best.
+    """
+    if not profile.host_cores or not plan.devices:
+        return 1.0
+    per_node = Counter(d // profile.devices_per_node for d in plan.devices)
+    return max(1.0, max(per_node.values()) / profile.host_cores)
+
+
 def estimate_step(profile: Profile, plan: Plan, *, reroute_slots: str = "max") -> StepEstimate:
-    """Estimated step time of ``plan`` (Eqs. 10–13 plus p2p, DP sync and optimizer)."""
+    """Estimated step time of ``plan`` (Eqs. 10–13 plus p2p, DP sync, optimizer and CPU sharing)."""
     by_shape: dict[tuple[tuple[int, ...], int], float] = {}  # pipelines of one shape take the same time
     times = []
     for p in plan.pipelines:
@@ -217,7 +240,8 @@ def estimate_step(profile: Profile, plan: Plan, *, reroute_slots: str = "max") -
     sync, rounds = sync_time(profile, plan)
     opt = optimizer_time(profile, plan)
     compute = max(times)
-    return StepEstimate(compute + extra + sync + opt, compute, extra, sync, opt, rounds, tuple(times))
+    share = cpu_share(profile, plan)
+    return StepEstimate(share * (compute + extra + sync + opt), compute, extra, sync, opt, rounds, tuple(times), share)
 
 
 def symmetric_step(n_stages: int, n_micro: int, fwd: float, bwd: float) -> float:

@@ -9,13 +9,16 @@ per-pipeline capacities (most micro-batches finished within τ) cover the global
 count, which is exact because a pipeline's time grows with its micro-batches.
 Two searches cover the space:
 
-* **Exact**, when it is small (every memory-feasible split of every allowed
-  length, and at most ``exact_limit`` multisets of such pipelines): pipeline times
-  are exact 1F1B longest paths (Eq. 11) and memory uses each pipeline's real
-  in-flight count. A multiset is skipped when a sound lower bound — its longest
-  pipeline fill (one micro-batch each) + its sync + its optimizer — cannot beat
-  the ``top_k``-th best. The result equals an exhaustive search's.
-* **Fast**, otherwise. Per length, the Pareto front of splits over (compute
+* **Exact**, when the space is small (at most ``exact_limit`` layer splits of
+  the allowed lengths, and at most ``exact_limit`` multisets of memory-feasible
+  ones for the survivors): pipeline times are exact 1F1B longest paths (Eq. 11)
+  and memory uses each pipeline's real in-flight count. The fast search's best
+  seed the ``top_k``; a multiset (or a partial one) is skipped when a sound lower
+  bound cannot beat the ``top_k``-th best: τ ≥ its longest fill (one micro-batch)
+  and ≥ ``n_micro / Σ count/bottleneck`` (a busiest stage runs m·bottleneck),
+  sync ≥ one round of its largest stage, plus its optimizer. The result equals an
+  exhaustive search's.
+* **Fast**, always run. Per length, the Pareto front of splits over (compute
   bottleneck, largest stage's parameters), each found by binary search under
   per-stage time, parameter and Eq. 14 memory caps; its time is the closed form
   ``fill + (m−1)·bottleneck`` (an upper bound of Eq. 11, exact for uniform
@@ -33,7 +36,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 from scipy.optimize import linprog
@@ -287,16 +290,17 @@ class Planner:
         self.splits = {p: front[0] for p, front in self.fronts.items()}
         self.top_k = top_k
         self.exact_limit = exact_limit
-        self.pool = self._exact_pool(lengths)
+        self.lengths = tuple(lengths)
         self._rounds = lru_cache(maxsize=None)(self._round_params)
 
-    def _exact_pool(self, lengths: list[int]) -> tuple[Split, ...] | None:
-        """Every memory-feasible split of the allowed lengths with its exact curve, or None if too many."""
+    @cached_property
+    def pool(self) -> tuple[Split, ...] | None:
+        """Every memory-feasible split of the allowed lengths with its exact curve; None if over the limit."""
         n_layers = self.profile.n_layers
-        if sum(math.comb(n_layers - 1, p - 1) for p in lengths if p <= n_layers) > self.exact_limit:
+        if sum(math.comb(n_layers - 1, p - 1) for p in self.lengths if p <= n_layers) > self.exact_limit:
             return None
         pool = []
-        for p in lengths:
+        for p in self.lengths:
             for cuts in itertools.combinations(range(1, n_layers), p - 1):
                 layers = [b - a for a, b in zip((0,) + cuts, cuts + (n_layers,))]
                 cap = max_micro(self.profile, layers)
@@ -365,15 +369,17 @@ class Planner:
                     if rem == 0 and 0 < c2 < k:
                         yield {p1: k - c2, p2: c2}
 
-    def exact_space(self, n_units: int) -> int | None:
-        """Multisets of exact-pool pipelines covering ``n_units`` (any DP degree), or None without a pool."""
+    def exact_fits(self, n_units: int) -> bool:
+        """Whether at most ``exact_limit`` multisets of pool pipelines cover ``n_units`` (any DP degree)."""
         if self.pool is None:
-            return None
+            return False
         ways = [1] + [0] * n_units
         for sp in self.pool:
             for n in range(sp.length, n_units + 1):
                 ways[n] += ways[n - sp.length]
-        return ways[n_units]
+            if ways[n_units] > self.exact_limit:  # counts only grow as splits are added
+                return False
+        return True
 
     def _exact(self, n_units: int, n_micro: int, seeds: list[Shape]) -> _TopK:
         """Every multiset of pool splits, pruned by lower bounds against ``seeds`` (scored exactly) and finds."""
@@ -429,8 +435,7 @@ class Planner:
         """The ``top_k`` partitions ``{Split: count}`` by step time, best first (exact search when small)."""
         top = _TopK(self.top_k)
         self._fast(n_units, n_micro, top)
-        space = self.exact_space(n_units)
-        if space is not None and space <= self.exact_limit:
+        if self.exact_fits(n_units):
             top = self._exact(n_units, n_micro, [shape for _, shape in top.best_first()])
         return [(v, dict(shape)) for v, shape in top.best_first()]
 

@@ -54,6 +54,18 @@ class Decision:
     candidates: tuple[Candidate, ...]
     note: str = ""
 
+    def table(self) -> str:
+        """Every candidate as a row: feasibility, estimated step time, transition, peak memory, score."""
+        head = f"{'candidate':<11} {'ok':<3} {'t_step s':>10} {'transition s':>13} {'peak GB':>8} {'score':>10}  note"
+        rows = [head, "-" * len(head)]
+        for c in self.candidates:
+            mark = "→" if c.name == self.choice else " "
+            rows.append(
+                f"{mark}{c.name:<10} {'yes' if c.feasible else 'no':<3} {_fmt(c.t_step, '10.3f')} "
+                f"{_fmt(c.transition, '13.3f')} {c.peak_memory / 1e9:8.1f} {_fmt(c.score, '10.3f')}  {c.why}"
+            )
+        return "\n".join(rows)
+
     @property
     def chosen(self) -> Candidate | None:
         return next((c for c in self.candidates if c.name == self.choice), None)
@@ -62,6 +74,10 @@ class Decision:
         out = {k: v for k, v in asdict(self).items() if k != "candidates"}
         out["candidates"] = [c.to_dict() for c in self.candidates]
         return out
+
+
+def _fmt(value: float, spec: str) -> str:
+    return "—" if math.isinf(value) else format(value, spec)
 
 
 def estimate_d(policy: PolicyConfig, *, fault_times: list[float], elapsed_s: float) -> tuple[float, str]:

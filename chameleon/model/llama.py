@@ -16,11 +16,10 @@ from __future__ import annotations
 import functools
 import math
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -41,24 +40,28 @@ class TensorParallelOps(Protocol):
         ...
 
 
+AllReduce = Callable[[Tensor], None]
+"""An in-place sum of a tensor over a stage's tensor-parallel ranks."""
+
+
 class _CopyIn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
+    def forward(ctx, x: Tensor, all_reduce: AllReduce) -> Tensor:
+        ctx.all_reduce = all_reduce
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
+        ctx.all_reduce(grad)
         return grad, None
 
 
 class _ReduceOut(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    def forward(ctx, x: Tensor, all_reduce: AllReduce) -> Tensor:
         out = x.clone()
-        dist.all_reduce(out, group=group)
+        all_reduce(out)
         return out
 
     @staticmethod
@@ -66,23 +69,24 @@ class _ReduceOut(torch.autograd.Function):
         return grad, None
 
 
-class ProcessGroupTP:
-    """:class:`TensorParallelOps` over a ``torch.distributed`` process group.
+class MegatronTP:
+    """:class:`TensorParallelOps` (Megatron's f/g operators) over an all-reduce the runtime supplies.
 
     Args:
-        group: The stage's tensor-parallel group (all ranks holding shards of one stage).
+        all_reduce: In-place sum over the stage's tensor-parallel ranks; the model
+            itself never touches a process group.
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, all_reduce: AllReduce) -> None:
+        self.all_reduce = all_reduce
 
     def copy_in(self, x: Tensor) -> Tensor:
-        """Identity forward; all-reduces the gradient over the group backward."""
-        return _CopyIn.apply(x, self.group)
+        """Identity forward; all-reduces the gradient backward."""
+        return _CopyIn.apply(x, self.all_reduce)
 
     def reduce_out(self, x: Tensor) -> Tensor:
-        """All-reduces over the group forward; identity backward."""
-        return _ReduceOut.apply(x, self.group)
+        """All-reduces forward; identity backward."""
+        return _ReduceOut.apply(x, self.all_reduce)
 
 
 def _layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:

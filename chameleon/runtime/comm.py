@@ -1,21 +1,26 @@
-"""One generation of process groups, and waits that never block past a fault.
+"""One generation of process groups, built and used so that no fault can wedge a survivor.
 
-Gloo cannot interrupt a blocked collective (``../shared/mission/probe.md`` §4), so
-every collective and point-to-point op is issued asynchronously and the main thread
-never blocks in C++: a per-generation waiter thread calls ``Work.wait()`` (gloo's
-point-to-point ``Work.is_completed()`` only turns true inside ``wait()``), while the
-main thread polls the waiter's result and the fault flag the controller sets in the
-store. On a fault the waiter may stay blocked until the group timeout; it is a
-daemon thread of an abandoned generation and is never reused. Groups of a
-generation that saw a fault are never reused either: the next generation builds
-new ones on a fresh store prefix.
+Gloo cannot interrupt a blocked collective or connect (``../shared/mission/probe.md``
+§4). So:
+
+- A generation's groups are raw backend objects (``ProcessGroupGloo`` …) on a
+  fresh store prefix, outside c10d's global default group: a generation that saw a
+  fault is simply abandoned (kept referenced, never destroyed, never reused) and
+  the next one is built beside it.
+- Every blocking call — connecting the groups, ``Work.wait()`` of a collective or
+  point-to-point op — runs in a daemon thread while the main thread polls its
+  completion and the fault flag the controller sets in the store. Gloo's
+  point-to-point ``Work.is_completed()`` only turns true inside ``wait()``, hence
+  the thread rather than polling ``is_completed``.
+
+Devices keep their ids across generations; each generation maps them to ranks.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -23,10 +28,11 @@ import torch.distributed as dist
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 POLL_INTERVAL_S = 0.001
+ABANDONED: list[Generation] = []  # broken generations stay referenced: their destructors would block
 
 
 class PeerFailure(RuntimeError):
-    """A peer of this generation failed; the in-flight step must be abandoned."""
+    """A peer of this generation failed; the in-flight work must be abandoned."""
 
 
 def fault_key(generation: int) -> str:
@@ -39,88 +45,133 @@ def connect_store(host: str, port: int, *, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
+def _new_group(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
+    """A raw process group of ``backend`` (gloo, nccl, or a registered plugin such as hccl)."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    creator = dist.Backend._plugins[backend.upper()].creator_fn
+    return creator(store, rank, size, timeout)
+
+
 class Generation:
-    """The world process group of one generation, with fault-aware waits.
+    """The process groups of one generation and fault-aware waits on them.
 
     Args:
         store: the controller's store (unprefixed).
         generation: generation number; names the store prefix of its groups.
-        rank: this worker's rank in the generation.
-        world: number of workers in the generation.
-        device: ``cpu``, ``cuda`` or ``npu``.
-        timeout_s: collective timeout; never reached on a fault, which is polled instead.
+        devices: every device of the generation; its rank is its index here.
+        me: this worker's device id.
+        backend: ``gloo``, ``nccl`` or ``hccl``.
+        timeout_s: backend timeout; never reached on a fault, which is polled instead.
+        groups: device sets that need their own group (sync and TP groups), in one
+            order shared by every device; only members connect to a group.
+
+    Raises:
+        PeerFailure: when the controller flags a fault before the groups connect.
     """
 
-    def __init__(self, store: dist.Store, *, generation: int, rank: int, world: int, device: str, timeout_s: float):
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        generation: int,
+        devices: Sequence[int],
+        me: int,
+        backend: str,
+        timeout_s: float,
+        groups: Sequence[tuple[int, ...]] = (),
+    ):
         self.store = store
         self.generation = generation
-        self.rank = rank
-        self.world = world
-        self.timeout = timedelta(seconds=timeout_s)
+        self.devices = tuple(devices)
+        self.me = me
+        self._rank = {d: r for r, d in enumerate(self.devices)}
         self._fault = fault_key(generation)
-        dist.init_process_group(
-            BACKENDS[device],
-            store=dist.PrefixStore(f"gen{generation}", store),
-            rank=rank,
-            world_size=world,
-            timeout=self.timeout,
-        )
-        self._subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        self._waiter = _Waiter(name=f"chameleon-waiter-gen{generation}")
+        self._waiter = _Waiter(name=f"chameleon-wait-gen{generation}")
+        timeout = timedelta(seconds=timeout_s)
+        prefix = f"gen{generation}"
 
-    def group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
-        """The group over ``ranks`` (the world group when it covers everyone).
+        def connect() -> tuple[dist.ProcessGroup, dict[tuple[int, ...], dist.ProcessGroup]]:
+            world = _new_group(backend, dist.PrefixStore(f"{prefix}/world", store), self.rank, len(self.devices), timeout)
+            subgroups = {}
+            for members in dict.fromkeys(groups):
+                if me in members and len(members) > 1:
+                    key = "-".join(map(str, members))
+                    sub_store = dist.PrefixStore(f"{prefix}/group/{key}", store)
+                    subgroups[members] = _new_group(backend, sub_store, members.index(me), len(members), timeout)
+            return world, subgroups
 
-        Every rank must ask for the same groups in the same order; ranks outside
-        ``ranks`` get ``None``.
-        """
-        if len(ranks) == self.world:
-            return dist.group.WORLD
-        if ranks not in self._subgroups:
-            self._subgroups[ranks] = dist.new_group(list(ranks), timeout=self.timeout)
-        return self._subgroups[ranks] if self.rank in ranks else None
+        self.world, self._groups = self.call(connect)
+
+    @property
+    def rank(self) -> int:
+        return self._rank[self.me]
+
+    def rank_of(self, device: int) -> int:
+        return self._rank[device]
+
+    def group(self, members: tuple[int, ...]) -> dist.ProcessGroup:
+        """The group over ``members`` (which must include this device and have been declared)."""
+        return self.world if len(members) == len(self.devices) else self._groups[members]
 
     def check(self) -> None:
         """Raise :class:`PeerFailure` if the controller flagged a fault in this generation."""
         if self.store.check([self._fault]):
             raise PeerFailure(f"a peer of generation {self.generation} failed")
 
+    def call(self, fn: Callable[[], object]) -> object:
+        """Run blocking ``fn`` on the waiter thread; poll for faults until it returns."""
+        pending = self._waiter.submit(fn)
+        while not pending.done.wait(POLL_INTERVAL_S):
+            self.check()
+        if pending.error is not None:
+            raise PeerFailure(str(pending.error)) from pending.error
+        return pending.result
+
     def wait(self, *works: dist.Work) -> None:
-        """Wait for ``works`` by polling, raising :class:`PeerFailure` as soon as a fault is flagged."""
+        """Wait for ``works``, raising :class:`PeerFailure` as soon as a fault is flagged."""
         for work in works:
-            pending = self._waiter.submit(work)
-            while not pending.done.wait(POLL_INTERVAL_S):
-                self.check()
-            if pending.error is not None:
-                raise PeerFailure(str(pending.error)) from pending.error
+            self.call(work.wait)
 
-    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
-        """In-place sum over ``group`` (default: the world)."""
-        self.wait(dist.all_reduce(tensor, group=group or dist.group.WORLD, async_op=True))
+    def send(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work:
+        return self.world.send([tensor], self.rank_of(device), tag)
 
-    def close(self) -> None:
-        """Tear down after a clean run (never after a fault: broken groups are left referenced)."""
-        dist.destroy_process_group()
+    def recv(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work:
+        return self.world.recv([tensor], self.rank_of(device), tag)
+
+    def all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...] | None = None) -> None:
+        """In-place sum over ``members`` (default: every device)."""
+        group = self.world if members is None else self.group(members)
+        self.wait(group.allreduce([tensor]))
+
+    def abandon(self) -> None:
+        """Leave this generation for good: keep it referenced so no destructor blocks on dead peers."""
+        ABANDONED.append(self)
 
 
 class _Pending:
-    __slots__ = ("work", "done", "error")
+    __slots__ = ("fn", "done", "error", "result")
 
-    def __init__(self, work: dist.Work):
-        self.work = work
+    def __init__(self, fn: Callable[[], object]):
+        self.fn = fn
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.result: object = None
 
 
 class _Waiter:
-    """A daemon thread that blocks in ``Work.wait()`` so the main thread never does."""
+    """A daemon thread that runs blocking calls so the main thread never blocks in C++."""
 
     def __init__(self, *, name: str):
         self._queue: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def submit(self, work: dist.Work) -> _Pending:
-        pending = _Pending(work)
+    def submit(self, fn: Callable[[], object]) -> _Pending:
+        pending = _Pending(fn)
         self._queue.put(pending)
         return pending
 
@@ -128,7 +179,7 @@ class _Waiter:
         while True:
             pending = self._queue.get()
             try:
-                pending.work.wait()
+                pending.result = pending.fn()
             except BaseException as err:  # noqa: BLE001 - handed to the main thread
                 pending.error = err
             pending.done.set()

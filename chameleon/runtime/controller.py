@@ -1,18 +1,32 @@
-"""The controller: hosts the c10d store, spawns and watches the workers, books every step.
+"""The controller: hosts the c10d store, spawns and watches the workers, commits steps, recovers.
 
-It holds no model state. Workers report each finished step over a pipe; a step
-is *committed* once every worker has reported it, and the controller then checks
-that the step trained exactly the global samples ``[k·B, (k+1)·B)`` — each once —
-before writing its metrics line.
+It holds no model state. Workers report each synced step over a pipe (their
+heartbeats travel the same way); once every worker of the generation synced step
+``k`` the controller checks that ``k`` trained exactly its global samples, each
+once, and *commits* it (a store key), after which workers apply the optimizer step.
+
+On a fault — a worker that exits, or one whose heartbeats stop (fenced with
+SIGKILL) — the controller flags the generation broken, asks the selector which
+recovery trains fastest until the next fault (Eq. 8 over reroute, dynamic,
+redundant and checkpoint), derives the new plan's layout and the manifest that
+realises it from the surviving replicas, and publishes the next generation. Until
+every survivor has established that generation, the previous layout stays
+resident, so a fault during recovery simply triggers another decision from it.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import pickle
+import random
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from multiprocessing.connection import Connection, wait
+from functools import partial
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch
@@ -21,21 +35,33 @@ from tqdm import tqdm
 
 from chameleon.config import model_config
 from chameleon.data.stream import sample_ids_digest
+from chameleon.decision.config import ClusterConfig, PolicyConfig
+from chameleon.decision.estimator import estimate_step
+from chameleon.decision.planner import Planner
+from chameleon.decision.profiler import load_profile
+from chameleon.decision.selector import decide
 from chameleon.layout.plan import Plan
-from chameleon.model.llama import param_shapes
+from chameleon.layout.relayout import relayout
+from chameleon.layout.spec import layout_of
+from chameleon.model.llama import param_shapes, stage_param_names
 from chameleon.report.outputs import JsonLines, write_json
-from chameleon.runtime.worker import WorkerSpec, worker_main
+from chameleon.runtime.comm import fault_key
+from chameleon.runtime.faults import WORKER_PHASES, FaultSpec, planned_faults
+from chameleon.runtime.worker import (
+    LATEST_KEY, GenerationSpec, WorkerSpec, commit_key, spec_key, start_key, worker_main,
+)
 
 JOIN_TIMEOUT_S = 30.0
+TICK_S = 0.01
 
 
 class TrainingError(RuntimeError):
-    """A worker failed in a way the run cannot survive; the message says which and why."""
+    """A failure the run cannot survive; the message says which and why."""
 
 
 @dataclass
 class StepBook:
-    """Collects per-worker reports of one step until every worker has reported."""
+    """Reports of one step from the devices of the current generation."""
 
     loss: float = 0.0
     sample_ids: list[int] = field(default_factory=list)
@@ -44,174 +70,360 @@ class StepBook:
 
 
 @dataclass
-class RunResult:
-    losses: list[float]
-    step_times: list[float]
-    per_step_ids: list[list[int]]
-    startup_s: float | None
-    wall_s: float
+class Recovery:
+    """Timeline of one fault, from the fault to the first step committed after it."""
+
+    failed: list[int]
+    cause: str
+    step: int
+    t_fault: float
+    t_detect: float
+    t_decided: float = 0.0
+    t_started: float = 0.0
+    t_first_commit: float = 0.0
+    decision: dict = field(default_factory=dict)
+    manifest_bytes: int = 0
+    manifest_rounds: int = 0
+    estimated_step_s: float = 0.0
+    first_step_s: float = 0.0
+
+    def record(self) -> dict:
+        return {
+            "failed_ranks": self.failed,
+            "cause": self.cause,
+            "step": self.step,
+            "chosen": self.decision.get("choice"),
+            "detect_s": self.t_detect - self.t_fault,
+            "decide_s": self.t_decided - self.t_detect,
+            "restore_s": self.t_started - self.t_decided,
+            "redo_s": self.t_first_commit - self.t_started,
+            "total_s": self.t_first_commit - self.t_fault,
+            "manifest_bytes": self.manifest_bytes,
+            "manifest_rounds": self.manifest_rounds,
+            "first_step_s": self.first_step_s,
+            "estimated_step_s": self.estimated_step_s,
+            "d_s": self.decision.get("d_s"),
+        }
 
 
-def run_training(config: dict, *, plan: Plan, run_dir: Path) -> Path:
-    """Train as ``config`` says, write ``metrics.jsonl``, ``summary.json`` and ``final_params.pt``.
+class Controller:
+    """Runs one training job: workers, commits, fault detection and recovery. See the module doc."""
 
-    Returns:
-        The path of ``summary.json``.
+    def __init__(self, config: dict, *, plan: Plan, run_dir: Path):
+        self.config, self.run_dir = config, run_dir
+        self.launcher, self.train, self.ft = config["launcher"], config["train"], config["ft"]
+        self.model = model_config(config)
+        self.shapes = param_shapes(self.model)
+        self.stage_names = partial(stage_param_names, self.model)
+        self.world = self.launcher["nproc"]
+        self.faults = planned_faults(config["failure"], world=self.world)
+        self.rng = random.Random(config["failure"]["seed"])
+        self.policy = PolicyConfig(**config["policy"])
+        self.profile = load_profile(
+            self.model, ClusterConfig(**config["cluster"]), micro_batch=self.train["micro_batch"],
+            seq_len=self.train["seq_len"], tp=config["parallel"]["tp"],
+        )
+        self.planner = Planner(self.profile, dp_degrees=tuple(self.policy.dp_degrees), pp_lengths=tuple(self.policy.pp_lengths))
+        self.store = dist.TCPStore(
+            self.launcher["master_addr"], self.launcher["master_port"], is_master=True,
+            timeout=timedelta(seconds=self.launcher["timeout_s"]), wait_for_workers=False,
+        )
+        self.generation = 0
+        self.spec = GenerationSpec(0, plan, tuple(sorted(plan.devices)), resume_step=0)
+        self.resident = plan  # the plan whose layout the survivors' state is in
+        self.started = False
+        self.ready: set[int] = set()
+        self.books: dict[int, StepBook] = {}
+        self.losses: dict[int, float] = {}
+        self.step_times: dict[int, float] = {}
+        self.step_ids: dict[int, list[int]] = {}
+        self.commit_times: dict[int, float] = {}
+        self.committed = -1
+        self.recoveries: list[Recovery] = []
+        self.pending: Recovery | None = None
+        self.fault_times: list[float] = []
+        self.last_seen: dict[int, float] = {}
+        self.done: set[int] = set()
+        self.timers: list[tuple[float, str, FaultSpec]] = []
+        self.kill_times: dict[int, float] = {}
+        self.t0 = time.time()
+        self.t_train: float | None = None
 
-    Raises:
-        TrainingError: when a worker raises or dies.
-    """
-    launcher, train = config["launcher"], config["train"]
-    world = launcher["nproc"]
-    store = dist.TCPStore(
-        launcher["master_addr"], launcher["master_port"], is_master=True,
-        timeout=timedelta(seconds=launcher["timeout_s"]), wait_for_workers=False,
-    )
-    ctx = mp.get_context("spawn")
-    procs, conns = [], []
-    started = time.perf_counter()
-    for rank in range(world):
-        recv_end, send_end = ctx.Pipe(duplex=False)
-        spec = WorkerSpec(rank, world, launcher["master_addr"], store.port, config, str(run_dir))
-        proc = ctx.Process(target=worker_main, args=(spec, send_end), name=f"chameleon-worker-{rank}", daemon=True)
-        proc.start()
-        send_end.close()
-        procs.append(proc)
-        conns.append(recv_end)
-    try:
-        result = _watch(procs, conns, config=config, run_dir=run_dir, started=started)
-    finally:
-        _reap(procs)
-    if config["output"]["save_params"]:
-        _merge_params(run_dir, param_shapes(model_config(config)))
-    return _write_summary(run_dir, config=config, plan=plan, result=result)
+    # ----- lifecycle -------------------------------------------------------------------
 
+    def run(self) -> Path:
+        """Train to the last step through faults; write the outputs; return ``summary.json``'s path."""
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns = {}, {}
+        for device in range(self.world):
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            spec = WorkerSpec(device, self.launcher["master_addr"], self.store.port, self.config, str(self.run_dir))
+            proc = ctx.Process(target=worker_main, args=(spec, send_end), name=f"chameleon-worker-{device}", daemon=True)
+            proc.start()
+            send_end.close()
+            self.procs[device], self.conns[recv_end] = proc, device
+        self.alive = set(range(self.world))
+        self.metrics = JsonLines(self.run_dir / "metrics.jsonl")
+        self.events = JsonLines(self.run_dir / "events.jsonl")
+        self.bar = tqdm(total=self.train["steps"], desc="train", unit="step", disable=not self.config["output"]["progress"], leave=False)
+        self._publish(self.spec)
+        try:
+            self._loop()
+        finally:
+            self.bar.close()
+            self.metrics.close()
+            self.events.close()
+            self._reap()
+        if self.config["output"]["save_params"]:
+            self._merge_params()
+        return self._write_summary()
 
-def _watch(procs: list, conns: list[Connection], *, config: dict, run_dir: Path, started: float) -> RunResult:
-    train = config["train"]
-    world, steps = len(procs), train["steps"]
-    books: dict[int, StepBook] = {}
-    losses, step_times, per_step_ids = [], [], []
-    metrics = JsonLines(run_dir / "metrics.jsonl")
-    bar = tqdm(total=steps, desc="train", unit="step", disable=not config["output"]["progress"], leave=False)
-    ready, done, startup_s = set(), set(), None
-    open_conns = {c: r for r, c in enumerate(conns)}
-    sentinels = {p.sentinel: r for r, p in enumerate(procs)}
-    try:
-        while len(done) < world:
-            for item in wait([*open_conns, *sentinels], timeout=config["launcher"]["timeout_s"]) or [None]:
-                if item is None:
-                    raise TrainingError(f"no worker reported for launcher.timeout_s={config['launcher']['timeout_s']} s")
+    def _loop(self) -> None:
+        sentinels = {p.sentinel: d for d, p in self.procs.items()}
+        while self.alive - self.done:
+            for item in wait([*self.conns, *sentinels], timeout=TICK_S):
                 if item in sentinels:
-                    rank = sentinels.pop(item)
-                    if rank not in done and procs[rank].exitcode != 0:
-                        _drain(item, open_conns)
-                        raise TrainingError(f"worker {rank} died (exit code {procs[rank].exitcode})")
+                    self._on_exit(sentinels.pop(item))
                     continue
                 try:
                     msg = item.recv()
                 except EOFError:
-                    open_conns.pop(item)
+                    self.conns.pop(item)
                     continue
-                kind, rank = msg[0], msg[1]
-                if kind == "error":
-                    raise TrainingError(f"worker {rank} failed:\n{msg[2]}")
-                if kind == "ready":
-                    ready.add(rank)
-                    if len(ready) == world:
-                        startup_s = time.perf_counter() - started
-                elif kind == "done":
-                    done.add(rank)
-                elif kind == "step":
-                    _, _, step, loss, ids, dt = msg
-                    book = books.setdefault(step, StepBook())
-                    book.loss += loss
-                    book.sample_ids.extend(ids)
-                    book.step_time_s = max(book.step_time_s, dt)
-                    book.reported.add(rank)
-                    if len(book.reported) == world:
-                        _commit(step, books.pop(step), train=train, metrics=metrics)
-                        losses.append(book.loss)
-                        step_times.append(book.step_time_s)
-                        per_step_ids.append(sorted(book.sample_ids))
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{book.loss:.4f}")
-    finally:
-        bar.close()
-        metrics.close()
-    return RunResult(losses, step_times, per_step_ids, startup_s, time.perf_counter() - started)
+                self._on_message(msg)
+            self._check_heartbeats()
+            self._fire_timers()
 
+    # ----- messages ---------------------------------------------------------------------
 
-def _drain(sentinel, open_conns: dict) -> None:
-    """Surface an error message a dying worker managed to send before exiting."""
-    for conn in list(open_conns):
-        while conn.poll():
-            try:
-                msg = conn.recv()
-            except EOFError:
-                break
-            if msg[0] == "error":
-                raise TrainingError(f"worker {msg[1]} failed:\n{msg[2]}")
+    def _on_message(self, msg: tuple) -> None:
+        kind, device = msg[0], msg[1]
+        self.last_seen[device] = time.time()
+        if kind == "error":
+            raise TrainingError(f"worker {device} failed:\n{msg[2]}")
+        if kind == "dying":
+            self.kill_times[device] = msg[2]
+        elif kind == "done":
+            self.done.add(device)
+        elif kind == "ready" and msg[2] == self.generation:
+            self.ready.add(device)
+            if self.ready >= set(self.spec.devices) & self.alive:
+                self._start_generation()
+        elif kind == "synced" and msg[2] == self.generation:
+            _, _, _, step, loss, ids, dt = msg
+            book = self.books.setdefault(step, StepBook())
+            book.loss += loss
+            book.sample_ids.extend(ids)
+            book.step_time_s = max(book.step_time_s, dt)
+            book.reported.add(device)
+            if book.reported >= set(self.spec.plan.devices):
+                self._commit(step, self.books.pop(step))
 
+    def _start_generation(self) -> None:
+        self.store.set(start_key(self.generation), "1")
+        self.started = True
+        self.resident = self.spec.plan
+        now = time.time()
+        if self.t_train is None:
+            self.t_train = now
+        if self.pending is not None:
+            self.pending.t_started = now
+        self._arm_step_faults(self.spec.resume_step)
 
-def _commit(step: int, book: StepBook, *, train: dict, metrics: JsonLines) -> None:
-    """Check the step trained each of its global samples exactly once; log its metrics."""
-    batch = train["global_batch"]
-    expected = list(range(step * batch, (step + 1) * batch))
-    if sorted(book.sample_ids) != expected:
-        raise TrainingError(
-            f"step {step} trained samples {sorted(book.sample_ids)} instead of [{expected[0]}, {expected[-1] + 1}): "
-            "samples were lost or duplicated"
+    def _commit(self, step: int, book: StepBook) -> None:
+        """Check the step trained each of its global samples once; let workers apply it; log it."""
+        batch = self.train["global_batch"]
+        expected = list(range(step * batch, (step + 1) * batch))
+        if sorted(book.sample_ids) != expected:
+            raise TrainingError(
+                f"step {step} trained samples {sorted(book.sample_ids)} instead of [{expected[0]}, {expected[-1] + 1}): "
+                "samples were lost or duplicated"
+            )
+        self.store.set(commit_key(self.generation, step), "1")
+        now = time.time()
+        self.committed = step
+        self.losses[step], self.step_times[step], self.step_ids[step] = book.loss, book.step_time_s, expected
+        self.commit_times[step] = now
+        dt = book.step_time_s
+        self.metrics.write({
+            "step": step, "loss": book.loss, "samples_per_s": batch / dt, "tokens_per_s": batch * self.train["seq_len"] / dt,
+            "step_time_s": dt, "generation": self.generation,
+        })
+        self.bar.n = step + 1
+        self.bar.set_postfix(loss=f"{book.loss:.4f}", gen=self.generation)
+        if self.pending is not None:
+            self._close_recovery(now, dt)
+        self._arm_step_faults(step + 1)
+
+    def _close_recovery(self, now: float, step_s: float) -> None:
+        rec, self.pending = self.pending, None
+        rec.t_first_commit, rec.first_step_s = now, step_s
+        self.recoveries.append(rec)
+        self.events.write({"event": "recovered", "generation": self.generation, **rec.record()})
+        print(
+            f"chameleon: recovered from the loss of {rec.failed} by {rec.decision.get('choice')} in "
+            f"{rec.t_first_commit - rec.t_fault:.3f} s (detect {rec.t_detect - rec.t_fault:.3f}, decide "
+            f"{rec.t_decided - rec.t_detect:.3f}, restore {rec.t_started - rec.t_decided:.3f}, redo "
+            f"{rec.t_first_commit - rec.t_started:.3f}); step {step_s:.3f} s vs {rec.estimated_step_s:.3f} s estimated",
+            file=sys.stderr, flush=True,
         )
-    dt = book.step_time_s
-    metrics.write({
-        "step": step,
-        "loss": book.loss,
-        "samples_per_s": batch / dt,
-        "tokens_per_s": batch * train["seq_len"] / dt,
-        "step_time_s": dt,
-    })
+
+    # ----- faults -----------------------------------------------------------------------
+
+    def _on_exit(self, device: int) -> None:
+        proc = self.procs[device]
+        proc.join()
+        if device in self.done and proc.exitcode == 0:
+            return
+        cause = f"exit code {proc.exitcode}" + (" (SIGKILL)" if proc.exitcode == -signal.SIGKILL else "")
+        for conn, owner in list(self.conns.items()):  # its last words may say when it died
+            while owner == device and conn.poll():
+                try:
+                    self._on_message(conn.recv())
+                except EOFError:
+                    break
+        self._on_fault({device}, cause, t_fault=self.kill_times.get(device, time.time()))
+
+    def _check_heartbeats(self) -> None:
+        if self.t_train is None:
+            return
+        now = time.time()
+        for device in sorted(self.alive - self.done):
+            if now - self.last_seen.get(device, now) > self.ft["heartbeat_timeout_s"]:
+                os.kill(self.procs[device].pid, signal.SIGKILL)  # fence: its peers must not wait on it
+                self.procs[device].join()
+                t_fault = self.kill_times.get(device, self.last_seen[device])
+                self._on_fault({device}, "missed heartbeats (hung; fenced with SIGKILL)", t_fault=t_fault)
+
+    def _on_fault(self, devices: set[int], cause: str, *, t_fault: float) -> None:
+        """Flag the generation broken, decide, and publish the next generation."""
+        t_detect = time.time()
+        devices &= self.alive
+        if not devices:
+            return
+        self.alive -= devices
+        self.store.set(fault_key(self.generation), "1")
+        self.books.clear()
+        self.fault_times.append(t_fault - self.t0)
+        failed = set(self.resident.devices) - self.alive
+        rec = self.pending or Recovery(sorted(devices), cause, self.committed + 1, t_fault, t_detect)
+        if self.pending is not None:
+            rec.failed = sorted(set(rec.failed) | devices)
+            rec.cause += f"; then {cause} during recovery"
+        self.pending = rec
+        ckpt = None
+        decision = decide(
+            self.profile, self.resident, failed, policy=self.policy, planner=self.planner,
+            fault_times=self.fault_times, elapsed_s=t_detect - self.t0, checkpoint_age_s=None,
+        )
+        chosen = decision.chosen
+        if chosen is None:
+            raise TrainingError(f"no recovery is possible after losing devices {sorted(failed)}: {decision.note}")
+        old_layout = layout_of(self.resident, self.shapes, self.stage_names)
+        new_layout = layout_of(chosen.plan, self.shapes, self.stage_names)
+        manifest = relayout(old_layout, new_layout, survivors=sorted(self.alive))
+        rec.t_decided = time.time()
+        rec.decision = decision.to_dict()
+        rec.manifest_bytes, rec.manifest_rounds = manifest.wire_bytes, len(manifest.rounds)
+        rec.estimated_step_s = estimate_step(self.profile, chosen.plan, reroute_slots=self.policy.reroute_slots).t_step
+        self.events.write({
+            "event": "fault", "generation": self.generation, "failed_ranks": sorted(devices), "cause": cause,
+            "step": self.committed + 1, "detect_s": t_detect - t_fault, "decide_s": rec.t_decided - t_detect,
+            "decision": rec.decision, "manifest_bytes": rec.manifest_bytes, "manifest_rounds": rec.manifest_rounds,
+        })
+        print(f"\nchameleon: devices {sorted(devices)} lost at step {self.committed + 1} ({cause})\n"
+              f"{decision.table()}\nnew plan:\n{chosen.plan.describe()}", file=sys.stderr, flush=True)
+        self.generation += 1
+        self.started, self.ready = False, set()
+        spec = GenerationSpec(self.generation, chosen.plan, tuple(sorted(self.alive)), self.committed + 1, manifest, ckpt)
+        self._publish(spec)
+
+    def _publish(self, spec: GenerationSpec) -> None:
+        self.spec = spec
+        self.store.set(spec_key(spec.generation), pickle.dumps(spec))
+        self.store.set(LATEST_KEY, str(spec.generation))
+
+    # ----- controller-side injection ----------------------------------------------------
+
+    def _arm_step_faults(self, step: int) -> None:
+        """Arm the faults pinned to ``step`` that the controller fires from outside."""
+        now = time.time()
+        typical = sorted(self.step_times.values())[len(self.step_times) // 2] if self.step_times else 0.05
+        for f in self.faults:
+            if f.step == step and f.rank in self.alive and f.phase not in WORKER_PHASES:
+                delay = 0.0 if f.kind == "hang" else self.rng.uniform(0.0, typical)
+                self.timers.append((now + delay, f.kind, f))
+        self.faults = [f for f in self.faults if not (f.step == step and f.phase not in WORKER_PHASES)]
+        if self.t_train is not None:
+            for f in [f for f in self.faults if f.at_s is not None]:
+                self.timers.append((self.t_train + f.at_s, f.kind, f))
+                self.faults.remove(f)
+
+    def _fire_timers(self) -> None:
+        now = time.time()
+        for entry in [t for t in self.timers if t[0] <= now]:
+            self.timers.remove(entry)
+            _, kind, fault = entry
+            if fault.rank not in self.alive:
+                continue
+            self.kill_times[fault.rank] = time.time()
+            os.kill(self.procs[fault.rank].pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+
+    # ----- shutdown and outputs ---------------------------------------------------------
+
+    def _reap(self) -> None:
+        """Join every worker; kill the ones that do not exit in time. No process is left behind."""
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    def _merge_params(self) -> None:
+        """Assemble the parameter shards the workers saved into full tensors in ``final_params.pt``."""
+        parts = sorted((self.run_dir / ".params").glob("device*.pt"))
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            for name, (region, shard) in torch.load(part, weights_only=True).items():
+                full = merged.setdefault(name, torch.empty(self.shapes[name]))
+                full[tuple(slice(a, b) for a, b in region)] = shard
+            part.unlink()
+        if parts:
+            (self.run_dir / ".params").rmdir()
+            torch.save({n: merged[n] for n in self.shapes if n in merged}, self.run_dir / "final_params.pt")
+
+    def _write_summary(self) -> Path:
+        batch, steps = self.train["global_batch"], sorted(self.losses)
+        if len(steps) != self.train["steps"]:
+            raise TrainingError(f"only {len(steps)} of train.steps={self.train['steps']} steps were committed")
+        first_fault = self.recoveries[0].step if self.recoveries else len(steps)
+        last_fault = self.recoveries[-1].step if self.recoveries else 0
+        before = [self.step_times[s] for s in steps[1:first_fault]]
+        after = [self.step_times[s] for s in steps if s > last_fault] if self.recoveries else []
+        steady = [self.step_times[s] for s in steps[1:]] or [self.step_times[steps[0]]]
+        rate = lambda ts: batch * len(ts) / sum(ts) if ts else None  # noqa: E731
+        return write_json(self.run_dir / "summary.json", {
+            "steps_completed": len(steps),
+            "final_loss": self.losses[steps[-1]],
+            "losses": [self.losses[s] for s in steps],
+            "samples_per_s": rate(steady),
+            "tokens_per_s": rate(steady) * self.train["seq_len"],
+            "mean_step_time_s": sum(steady) / len(steady),
+            "samples_per_s_before_fault": rate(before),
+            "samples_per_s_after_recovery": rate(after),
+            "world_size": self.world,
+            "plan": self.resident.describe(),
+            "generations": self.generation + 1,
+            "recoveries": [r.record() for r in self.recoveries],
+            "sample_ids_digest": sample_ids_digest([self.step_ids[s] for s in steps]),
+            "wall_s": time.time() - self.t0,
+            "startup_s": (self.t_train - self.t0) if self.t_train else None,
+        })
 
 
-def _reap(procs: list) -> None:
-    """Join every worker; kill the ones that do not exit in time. No process is left behind."""
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()) if proc.exitcode is None else 0)
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-
-
-def _merge_params(run_dir: Path, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Assemble pipeline 0's parameter shards (one file per rank) into full tensors in ``final_params.pt``."""
-    parts = sorted((run_dir / ".params").glob("rank*.pt"))
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        for name, (region, shard) in torch.load(part, weights_only=True).items():
-            full = merged.setdefault(name, torch.empty(shapes[name]))
-            full[tuple(slice(a, b) for a, b in region)] = shard
-        part.unlink()
-    if parts:
-        (run_dir / ".params").rmdir()
-        torch.save({n: merged[n] for n in shapes if n in merged}, run_dir / "final_params.pt")
-
-
-def _write_summary(run_dir: Path, *, config: dict, plan: Plan, result: RunResult) -> Path:
-    train = config["train"]
-    steady = result.step_times[1:] or result.step_times
-    samples_per_s = train["global_batch"] * len(steady) / sum(steady)
-    return write_json(run_dir / "summary.json", {
-        "steps_completed": len(result.losses),
-        "final_loss": result.losses[-1] if result.losses else None,
-        "losses": result.losses,
-        "samples_per_s": samples_per_s,
-        "tokens_per_s": samples_per_s * train["seq_len"],
-        "mean_step_time_s": sum(steady) / len(steady),
-        "world_size": config["launcher"]["nproc"],
-        "plan": plan.describe(),
-        "sample_ids_digest": sample_ids_digest(result.per_step_ids),
-        "startup_s": result.startup_s,
-        "wall_s": result.wall_s,
-    })
+def run_training(config: dict, *, plan: Plan, run_dir: Path) -> Path:
+    """Train as ``config`` says through any injected faults; return ``summary.json``'s path."""
+    return Controller(config, plan=plan, run_dir=run_dir).run()

@@ -1,18 +1,25 @@
 """1F1B pipeline schedules as explicit action lists, and the executor that runs one step.
 
-:func:`one_f_one_b` gives a stage's actions (warm-up forwards, alternating
+:func:`one_f_one_b` gives one stage's order (warm-up forwards, alternating
 forward/backward, cool-down backwards). :func:`step_actions` gives every device's
-list for a whole plan — pipelines of different lengths and micro-batch counts in
-one step — so tests can inspect the schedule; :func:`run_step` executes one
-device's list with asynchronous point-to-point transfers polled against faults.
+list for a whole plan — pipelines of different lengths and micro-batch counts, and
+rerouted stages whose micro-batches run on same-stage peers of other pipelines.
+
+A device may then serve several pipelines (its own and, as a reroute host, a
+peer's). Its list merges one queue per pipeline, each in that pipeline's 1F1B
+order, by simulating the step: every device's merged order is then a sub-order
+of one global topological order of the step's dependency graph, so with
+non-blocking sends no device can wait on another in a cycle. Messages carry a tag
+per (pipeline, sending stage, direction), so a pair of devices exchanging several
+kinds of traffic can never mismatch them.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from chameleon.data.stream import SampleStream, micro_batch_samples
 from chameleon.layout.colouring import SyncGroup
@@ -20,10 +27,11 @@ from chameleon.layout.plan import Plan, micro_batch_ranges
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import TensorParallelOps, stage_forward
 from chameleon.runtime.comm import Generation
-from chameleon.runtime.stage import Role, StageState
-
+from chameleon.runtime.stage import StageState
 
 SyncRounds = tuple[tuple[SyncGroup, ...], ...]
+MAX_STAGES = 1 << 12
+FORWARD_COST, BACKWARD_COST = 1, 2  # relative durations used to merge queues
 
 
 @dataclass(frozen=True)
@@ -47,30 +55,82 @@ def one_f_one_b(*, pipeline: int, stage: int, n_stages: int, n_micro: int) -> li
     return actions
 
 
+def executors(plan: Plan, pipeline: int, stage: int, micro: int) -> tuple[int, ...]:
+    """The devices (TP mesh) that run micro-batch ``micro`` of ``pipeline`` at ``stage``."""
+    devices = plan.pipelines[pipeline].stages[stage].devices
+    if devices:
+        return devices
+    reroute = next(r for r in plan.reroutes if (r.pipeline, r.stage) == (pipeline, stage))
+    return plan.pipelines[reroute.hosts[micro % len(reroute.hosts)]].stages[stage].devices
+
+
+def _dependency(plan: Plan, action: Action) -> Action | None:
+    n_stages = plan.pipelines[action.pipeline].n_stages
+    if action.kind == "F":
+        return Action("F", action.pipeline, action.stage - 1, action.micro) if action.stage > 0 else None
+    if action.stage == n_stages - 1:
+        return Action("F", action.pipeline, action.stage, action.micro)
+    return Action("B", action.pipeline, action.stage + 1, action.micro)
+
+
 def step_actions(plan: Plan) -> dict[int, list[Action]]:
     """Every device's action list for one step of ``plan`` (TP ranks of a stage share a list)."""
-    out: dict[int, list[Action]] = {}
+    queues: dict[tuple[int, ...], dict[int, list[Action]]] = {}
     for j, pipe in enumerate(plan.pipelines):
-        for s, stage in enumerate(pipe.stages):
-            actions = one_f_one_b(pipeline=j, stage=s, n_stages=pipe.n_stages, n_micro=pipe.micro_batches)
-            for device in stage.devices:
-                out[device] = actions
-    return out
+        for s in range(pipe.n_stages):
+            for action in one_f_one_b(pipeline=j, stage=s, n_stages=pipe.n_stages, n_micro=pipe.micro_batches):
+                mesh = executors(plan, j, s, action.micro)
+                queues.setdefault(mesh, {}).setdefault(j, []).append(action)
+    finished: dict[Action, float] = {}
+    clock = dict.fromkeys(queues, 0.0)
+    order: dict[tuple[int, ...], list[Action]] = {mesh: [] for mesh in queues}
+    remaining = sum(len(q) for per in queues.values() for q in per.values())
+    while remaining:
+        progressed = False
+        for mesh, per_pipeline in queues.items():
+            ready = []
+            for j, queue in sorted(per_pipeline.items(), key=lambda kv: (mesh not in _own(plan, kv[0]), kv[0])):
+                if queue:
+                    dep = _dependency(plan, queue[0])
+                    if dep is None or dep in finished:
+                        ready.append((max(clock[mesh], finished.get(dep, 0.0)), len(ready), j))
+            if not ready:
+                continue
+            start, _, j = min(ready)
+            action = per_pipeline[j].pop(0)
+            clock[mesh] = finished[action] = start + (FORWARD_COST if action.kind == "F" else BACKWARD_COST)
+            order[mesh].append(action)
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError("the step's schedule has a dependency cycle; the plan is invalid")
+    return {device: actions for mesh, actions in order.items() for device in mesh}
+
+
+def _own(plan: Plan, pipeline: int) -> set[tuple[int, ...]]:
+    return {stage.devices for stage in plan.pipelines[pipeline].stages}
+
+
+def message_tag(pipeline: int, sender_stage: int, backward: bool) -> int:
+    """The tag of activations (forward) or gradients (backward) a stage of a pipeline sends."""
+    return (pipeline * MAX_STAGES + sender_stage) * 2 + int(backward)
 
 
 @dataclass
 class StepResult:
-    """What one device contributes to a step: summed loss and the samples it trained (last stages)."""
+    """What one device contributes to a step: summed loss, trained samples (last stages), phase times."""
 
     loss_sum: float = 0.0
     sample_ids: list[int] = field(default_factory=list)
+    compute_s: float = 0.0
+    sync_s: float = 0.0
 
 
 def run_step(
     step: int,
     *,
     plan: Plan,
-    role: Role,
+    actions: list[Action],
     state: StageState,
     stream: SampleStream,
     gen: Generation,
@@ -78,75 +138,87 @@ def run_step(
     train: dict,
     rounds: SyncRounds,
     tp: TensorParallelOps | None,
+    on_phase=None,
 ) -> StepResult:
-    """Forward and backward of this device's micro-batches in 1F1B order, then the gradient sync.
+    """Forward and backward of this device's actions, then the gradient sync (no optimizer step).
 
     The loss of every micro-batch is its summed token cross-entropy divided by
     ``global_batch · seq_len``, so gradients summed over pipelines equal the
-    single-process gradient of the mean loss.
+    single-process gradient of the mean loss. ``on_phase(step, phase)`` is called
+    at the start of each phase (fault injection hooks in there).
     """
-    first_micro = micro_batch_ranges(plan)[role.pipeline].start
+    me = gen.me
+    first_micro = [r.start for r in micro_batch_ranges(plan)]
     scale = 1.0 / (train["global_batch"] * train["seq_len"])
     hidden_shape = (plan.micro_batch_size, train["seq_len"], model.dim)
-    prev_rank = role.prev_devices[role.tp_index] if role.prev_devices else None
-    next_rank = role.next_devices[role.tp_index] if role.next_devices else None
     result = StepResult()
-    inputs: dict[int, torch.Tensor] = {}
-    outputs: dict[int, torch.Tensor] = {}
-    sends: list[dist.Work] = []
-    for action in step_actions(plan)[role.device]:
-        ids = micro_batch_samples(
-            step, first_micro + action.micro, global_batch=train["global_batch"], micro_batch_size=plan.micro_batch_size
-        )
+    saved: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    sends = []
+    started = time.perf_counter()
+    for action in actions:
+        p, s, i = action.pipeline, action.stage, action.micro
+        pipe = plan.pipelines[p]
+        first, last = s == 0, s == pipe.n_stages - 1
+        t = executors(plan, p, s, i).index(me)
         if action.kind == "F":
-            tokens, targets = (t.to(state.device) for t in stream.batch(ids))
-            if role.first:
+            if on_phase is not None:
+                on_phase(step, "forward")
+            ids = micro_batch_samples(
+                step, first_micro[p] + i, global_batch=train["global_batch"], micro_batch_size=plan.micro_batch_size
+            )
+            tokens, targets = (x.to(state.device) for x in stream.batch(ids))
+            if first:
                 x = tokens
             else:
                 x = torch.empty(hidden_shape, device=state.device)
-                gen.wait(dist.irecv(x, src=prev_rank))
+                gen.wait(gen.recv(x, executors(plan, p, s - 1, i)[t], tag=message_tag(p, s - 1, False)))
                 x.requires_grad_(True)
             out = stage_forward(
-                state.params, model, x, layers=role.spec.layers, first=role.first, last=role.last,
-                targets=targets if role.last else None, tp=tp,
+                state.params, model, x, layers=pipe.stages[s].layers, first=first, last=last, targets=targets if last else None, tp=tp,
             )
-            if role.last:
+            if last:
                 out = out * scale
-                if role.tp_index == 0:
+                if t == 0:
                     result.loss_sum += out.item()
                     result.sample_ids.extend(ids)
             else:
-                sends.append(dist.isend(out.detach().contiguous(), dst=next_rank))
-            inputs[action.micro], outputs[action.micro] = x, out
+                sends.append(gen.send(out.detach().contiguous(), executors(plan, p, s + 1, i)[t], tag=message_tag(p, s, False)))
+            saved[(p, s, i)] = (x, out)
         else:
-            x, out = inputs.pop(action.micro), outputs.pop(action.micro)
-            if role.last:
+            if on_phase is not None:
+                on_phase(step, "backward")
+            x, out = saved.pop((p, s, i))
+            if last:
                 out.backward()
             else:
                 grad = torch.empty(hidden_shape, device=state.device)
-                gen.wait(dist.irecv(grad, src=next_rank))
+                gen.wait(gen.recv(grad, executors(plan, p, s + 1, i)[t], tag=message_tag(p, s + 1, True)))
                 out.backward(grad)
-            if not role.first:
-                sends.append(dist.isend(x.grad.contiguous(), dst=prev_rank))
+            if not first:
+                sends.append(gen.send(x.grad.contiguous(), executors(plan, p, s - 1, i)[t], tag=message_tag(p, s, True)))
     gen.wait(*sends)
-    sync_gradients(rounds, role=role, state=state, gen=gen)
+    synced = time.perf_counter()
+    result.compute_s = synced - started
+    if on_phase is not None:
+        on_phase(step, "sync")
+    sync_gradients(rounds, state=state, gen=gen)
+    result.sync_s = time.perf_counter() - synced
     return result
 
 
-def sync_gradients(rounds: SyncRounds, *, role: Role, state: StageState, gen: Generation) -> None:
+def sync_gradients(rounds: SyncRounds, *, state: StageState, gen: Generation) -> None:
     """Sum every gradient over the devices holding the same shard, round by coloured round.
 
-    Every rank walks the same rounds in the same order; within a round the groups
-    are device-disjoint, so this device is in at most one and reduces one bucket.
+    Every device walks the same rounds in the same order; within a round the
+    groups are device-disjoint, so this device is in at most one and reduces one bucket.
     """
     for groups in rounds:
         for sync in groups:
-            group = gen.group(sync.devices)
-            if group is None:
+            if gen.me not in sync.devices:
                 continue
             grads = state.grads(sync.names)
             flat = torch.cat([g.reshape(-1) for g in grads])
-            gen.all_reduce(flat, group)
+            gen.all_reduce(flat, sync.devices)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))

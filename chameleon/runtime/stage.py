@@ -1,4 +1,4 @@
-"""A worker's role in a plan and the training state of its stage (parameters, AdamW)."""
+"""A device's stage in a plan and its training state: parameter shards and AdamW moments."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from chameleon.layout.spec import Region, local_slices, placements_for, shard_re
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import init_params, stage_param_names
 
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
 
 @dataclass(frozen=True)
 class Role:
-    """Where one device sits in a plan: pipeline, stage, TP index and its neighbours."""
+    """Where one device sits in a plan: pipeline, stage and TP index."""
 
     device: int
     pipeline: int
@@ -22,8 +24,6 @@ class Role:
     tp_index: int
     spec: Stage
     n_stages: int
-    prev_devices: tuple[int, ...]
-    next_devices: tuple[int, ...]
 
     @property
     def first(self) -> bool:
@@ -34,33 +34,25 @@ class Role:
         return self.stage == self.n_stages - 1
 
 
-def role_of(plan: Plan, device: int) -> Role:
-    """The role of ``device`` in ``plan``.
-
-    Raises:
-        ValueError: if the plan does not use ``device``.
-    """
+def role_of(plan: Plan, device: int) -> Role | None:
+    """The role of ``device`` in ``plan``, or ``None`` when the plan does not use it."""
     for j, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
             if device in stage.devices:
-                return Role(
-                    device=device,
-                    pipeline=j,
-                    stage=s,
-                    tp_index=stage.devices.index(device),
-                    spec=stage,
-                    n_stages=pipe.n_stages,
-                    prev_devices=pipe.stages[s - 1].devices if s > 0 else (),
-                    next_devices=pipe.stages[s + 1].devices if s + 1 < pipe.n_stages else (),
-                )
-    raise ValueError(f"device {device} has no role in the plan")
+                return Role(device, j, s, stage.devices.index(device), stage, pipe.n_stages)
+    return None
+
+
+def stage_regions(model: ModelConfig, role: Role, shapes: dict[str, tuple[int, ...]]) -> dict[str, Region]:
+    """The region of every tensor this role's device holds (its TP shard)."""
+    names = stage_param_names(model, role.spec.layers, first=role.first, last=role.last)
+    return {n: shard_region(shapes[n], placements_for(n), role.tp_index, role.spec.tp) for n in names}
 
 
 @dataclass
 class StageState:
-    """Parameters of one stage (local shards under TP) and their AdamW optimizer."""
+    """Parameter shards of one stage and their AdamW optimizer."""
 
-    names: list[str]
     params: dict[str, torch.Tensor]
     regions: dict[str, Region]
     optimizer: torch.optim.AdamW
@@ -68,25 +60,43 @@ class StageState:
 
     @classmethod
     def create(cls, model: ModelConfig, role: Role, *, seed: int, train: dict, device: torch.device) -> StageState:
-        """Initialise the stage's parameters (this device's shards of the single-process init) and AdamW."""
+        """Fresh state: this device's shards of the single-process initialisation, zero moments."""
         names = stage_param_names(model, role.spec.layers, first=role.first, last=role.last)
         full = init_params(model, seed, names=names)
-        regions = {
-            n: shard_region(tuple(t.shape), placements_for(n), role.tp_index, role.spec.tp) for n, t in full.items()
-        }
-        whole = {n: tuple((0, d) for d in t.shape) for n, t in full.items()}
-        params = {
-            n: t[local_slices(regions[n], whole[n])].contiguous().to(device).requires_grad_(True)
-            for n, t in full.items()
-        }
+        regions = stage_regions(model, role, {n: tuple(t.shape) for n, t in full.items()})
+        params = {n: t[tuple(slice(a, b) for a, b in regions[n])] for n, t in full.items()}
+        zeros = {n: torch.zeros_like(t) for n, t in params.items()}
+        return cls.from_tensors({"param": params, "exp_avg": zeros, "exp_avg_sq": dict(zeros)}, regions,
+                                committed_steps=0, train=train, device=device)
+
+    @classmethod
+    def from_tensors(
+        cls, tensors: dict[str, dict[str, torch.Tensor]], regions: dict[str, Region], *,
+        committed_steps: int, train: dict, device: torch.device,
+    ) -> StageState:
+        """State from per-kind shards (a re-layout or a checkpoint), AdamW resumed at ``committed_steps``."""
+        params = {n: tensors["param"][n].detach().clone().to(device).requires_grad_(True) for n in regions}
         optimizer = torch.optim.AdamW(
-            [params[n] for n in names],
-            lr=train["lr"],
-            betas=(train["beta1"], train["beta2"]),
-            eps=train["eps"],
-            weight_decay=train["weight_decay"],
+            list(params.values()), lr=train["lr"], betas=(train["beta1"], train["beta2"]),
+            eps=train["eps"], weight_decay=train["weight_decay"],
         )
-        return cls(names=names, params=params, regions=regions, optimizer=optimizer, device=device)
+        for n, p in params.items():
+            optimizer.state[p] = {
+                "step": torch.tensor(float(committed_steps)),
+                "exp_avg": tensors["exp_avg"][n].detach().clone().to(device),
+                "exp_avg_sq": tensors["exp_avg_sq"][n].detach().clone().to(device),
+            }
+        return cls(params=params, regions=regions, optimizer=optimizer, device=device)
+
+    def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per kind (param, exp_avg, exp_avg_sq), this device's shard of every tensor (views, CPU)."""
+        out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in KINDS}
+        for n, p in self.params.items():
+            st = self.optimizer.state[p]
+            out["param"][n] = p.detach().cpu()
+            out["exp_avg"][n] = st["exp_avg"].cpu()
+            out["exp_avg_sq"][n] = st["exp_avg_sq"].cpu()
+        return out
 
     def grads(self, names: tuple[str, ...] | list[str]) -> list[torch.Tensor]:
         """Gradients of ``names`` (zeros where a parameter got none)."""
@@ -98,10 +108,14 @@ class StageState:
             out.append(p.grad)
         return out
 
+    def discard_gradients(self) -> None:
+        """Drop an abandoned step's gradients."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def shards(self) -> dict[str, tuple[Region, torch.Tensor]]:
         """A CPU copy of this device's parameter shards with the region each covers."""
-        return {n: (self.regions[n], self.params[n].detach().to("cpu").clone()) for n in self.names}
+        return {n: (self.regions[n], p.detach().to("cpu").clone()) for n, p in self.params.items()}

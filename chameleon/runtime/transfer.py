@@ -10,18 +10,15 @@ one peer into one buffer and posts one ``isend`` per peer and one ``irecv`` per
 peer; a link appears in a single round, so no tags are needed. The old state is
 only read, never released, until the whole manifest is done.
 
-Gloo's point-to-point ``Work.is_completed()`` stays ``False`` until ``wait()`` is
-called (checked with torch 2.13), and a blocked ``wait()`` cannot be interrupted
-(``probe.md`` §4). So a daemon thread waits on a round's works while this thread
-calls ``poll()`` between short joins; a fault raised by ``poll`` abandons the
-transfer at once, leaving the thread blocked on the dead generation's group,
-which the runtime never reuses.
+Sends, receives and waits go through ``links`` (the runtime's
+:class:`~chameleon.runtime.comm.Generation`), whose waits poll for faults: a
+fault abandons the transfer at once, and the caller keeps its old state.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,7 +26,16 @@ import torch.distributed as dist
 from chameleon.layout.relayout import Manifest, Move
 from chameleon.layout.spec import Region, local_slices, region_numel, region_shape
 
-POLL_INTERVAL_S = 0.002
+
+
+class PointToPoint(Protocol):
+    """Tagged point-to-point ops between devices, and a wait that may raise to abandon."""
+
+    def send(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work: ...
+
+    def recv(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work: ...
+
+    def wait(self, *works: dist.Work) -> None: ...
 
 
 def execute_manifest(
@@ -37,9 +43,7 @@ def execute_manifest(
     *,
     me: int,
     state: Mapping[str, Mapping[str, torch.Tensor]],
-    rank_of: Mapping[int, int],
-    group: dist.ProcessGroup | None = None,
-    poll: Callable[[], None] | None = None,
+    links: PointToPoint,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Run this device's part of ``manifest`` and return its state in the new layout.
@@ -53,9 +57,7 @@ def execute_manifest(
         state: per kind, the local shard of every tensor this device holds now
             (exactly ``manifest.before[me]``; empty for a new device). Every device
             passes the same kinds.
-        rank_of: device id → rank in ``group``.
-        group: the process group to send on (default: the world group).
-        poll: called between checks while waiting; raise from it to abandon the transfer.
+        links: sends and receives between devices; its ``wait`` raises to abandon.
         dtype: dtype of every state tensor.
 
     Returns:
@@ -93,12 +95,12 @@ def execute_manifest(
         works, received = [], []
         for dst, out in outgoing.items():
             parts = [_source(state[kind], before, m).reshape(-1) for m in out for kind in kinds]
-            works.append(dist.isend(torch.cat(parts), group=group, group_dst=rank_of[dst]))
+            works.append(links.send(torch.cat(parts), dst))
         for src, into in incoming.items():
             buffer = torch.empty(sum(region_numel(m.region) for m in into) * len(kinds), dtype=dtype)
-            works.append(dist.irecv(buffer, group=group, group_src=rank_of[src]))
+            works.append(links.recv(buffer, src))
             received.append((buffer, into))
-        _wait(works, poll)
+        links.wait(*works)
         for buffer, into in received:
             offset = 0
             for m in into:
@@ -117,24 +119,3 @@ def _source(held: Mapping[str, torch.Tensor], before: Mapping[str, Region], move
 def _target(new: Mapping[str, torch.Tensor], after: Mapping[str, Region], move: Move) -> torch.Tensor:
     """The part of a new local shard that ``move`` fills."""
     return new[move.name][local_slices(move.region, after[move.name])]
-
-
-def _wait(works: list[dist.Work], poll: Callable[[], None] | None) -> None:
-    """Wait for ``works`` in a helper thread, calling ``poll`` until they finish; re-raise their error."""
-    errors: list[BaseException] = []
-
-    def wait_all() -> None:
-        try:
-            for work in works:
-                work.wait()
-        except BaseException as err:  # handed to the polling thread, which raises it
-            errors.append(err)
-
-    waiter = threading.Thread(target=wait_all, name="manifest-wait", daemon=True)
-    waiter.start()
-    while waiter.is_alive():
-        if poll is not None:
-            poll()
-        waiter.join(POLL_INTERVAL_S)
-    if errors:
-        raise errors[0]
