@@ -6,8 +6,9 @@ The tiny model is profiled with the real profiler (``cluster=local``, a fresh
 measurement in a temporary cache unless ``--cache-dir`` is given), then each plan
 trains for ``--steps`` steps with ``python -m chameleon.train`` (real worker
 processes, gloo) and its ``mean_step_time_s`` (steps after the first) is set
-beside ``estimate_step`` of the same composed plan. Rerouted plans are not
-measured: the runtime does not execute reroutes yet.
+beside ``estimate_step`` of the same composed plan. The last column is the
+1-minute load average after the run: the host's cores are shared with other
+users. Rerouted plans are not measured: the runtime does not execute reroutes yet.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from chameleon.decision.profiler import load_profile
 SHAPE = ("train.seq_len=64", "train.global_batch=16", "train.micro_batch=4")
 PLANS = {
     "dp1": ("launcher.nproc=1",),
+    "dp2": ("launcher.nproc=2",),
+    "pp2": ("launcher.nproc=2", "parallel.dp=1", "parallel.pp=2"),
     "dp4": ("launcher.nproc=4", "parallel.dp=4"),
     "dp2×pp2": ("launcher.nproc=4", "parallel.dp=2", "parallel.pp=2"),
     "pp4": ("launcher.nproc=4", "parallel.dp=1", "parallel.pp=4"),
@@ -78,7 +81,7 @@ def main() -> None:
               f"bwd {profile.last_bwd_s * 1e3:.2f} ms, p2p {profile.p2p_latency_s * 1e6:.0f} µs, "
               f"all-reduce {profile.dp_latency_s * 1e6:.0f} µs + {profile.dp_bw / 1e9:.2f} GB/s")
         print(f"{'plan':<9} {'procs':>5} {'est. s':>8} {'meas. s':>8} {'error':>7} {'load':>5}  estimate parts")
-        errors = []
+        errors, shared = [], []
         for name in args.plans:
             cfg = compose(config_name="config", overrides=[*SHAPE, *PLANS[name]])
             plan = build_plan(cfg)
@@ -86,12 +89,17 @@ def main() -> None:
             summary = measure(PLANS[name], Path(tmp) / name.replace("×", "x").replace("+", "_"), args.steps)
             measured = summary["mean_step_time_s"]
             errors.append(abs(est.t_step - measured) / measured)
+            shared.append(est.cpu_share > 1)
             print(f"{name:<9} {cfg.launcher.nproc:>5} {est.t_step:>8.4f} {measured:>8.4f} "
                   f"{100 * (est.t_step - measured) / measured:>+6.1f}% {os.getloadavg()[0]:>5.2f}  "
                   f"{est.cpu_share:g} × (compute {est.compute:.4f} + sync {est.sync:.4f} in {est.sync_rounds} rounds "
                   f"+ optimizer {est.optimizer:.4f})", flush=True)
     print(f"median |error| {100 * statistics.median(errors):.1f}% over {len(errors)} plans "
           f"(goal ≤ 10%); max {100 * max(errors):.1f}%")
+    for label, group in (("processes ≤ cores", False), ("processes > cores", True)):
+        part = [e for e, s in zip(errors, shared) if s == group]
+        if part:
+            print(f"  {label}: median |error| {100 * statistics.median(part):.1f}% over {len(part)} plans")
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ def worker(rank: int, port: int, results, release) -> None:
 def run_rank(rank: int, port: int, release) -> tuple:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=30), wait_for_workers=False)
-    gen = Generation(store, generation=0, devices=range(WORLD), me=rank, backend="gloo", timeout_s=30)
+    client = partial(dist.TCPStore, "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    gen = Generation(store, connect_store=client, generation=0, devices=range(WORLD), me=rank, backend="gloo", timeout_s=30)
     truth = originals()
     a_to_b, b_to_c, c_to_a, faulty = transitions()
     initial = {k: {n: truth[k][n][box(r)].clone() for n, r in c_to_a.after[rank].items()} for k in KINDS}

@@ -61,7 +61,10 @@ class Generation:
     """The process groups of one generation and fault-aware waits on them.
 
     Args:
-        store: the controller's store (unprefixed).
+        store: the controller's store (unprefixed), polled for the fault flag.
+        connect_store: opens a fresh client of that store for this generation's
+            rendezvous: a rendezvous blocked on a dead peer then holds only its own
+            connection, never the one the fault flag is polled through.
         generation: generation number; names the store prefix of its groups.
         devices: every device of the generation; its rank is its index here.
         me: this worker's device id.
@@ -78,6 +81,7 @@ class Generation:
         self,
         store: dist.Store,
         *,
+        connect_store: Callable[[], dist.Store],
         generation: int,
         devices: Sequence[int],
         me: int,
@@ -96,6 +100,7 @@ class Generation:
         prefix = f"gen{generation}"
 
         def connect() -> tuple[dist.ProcessGroup, dict[tuple[int, ...], dist.ProcessGroup]]:
+            store = connect_store()
             world = _new_group(backend, dist.PrefixStore(f"{prefix}/world", store), self.rank, len(self.devices), timeout)
             subgroups = {}
             for members in dict.fromkeys(groups):

@@ -45,6 +45,7 @@ from chameleon.layout.relayout import relayout
 from chameleon.layout.spec import layout_of
 from chameleon.model.llama import param_shapes, stage_param_names
 from chameleon.report.outputs import JsonLines, write_json
+from chameleon.runtime.checkpoint import checkpoint_root, commit_checkpoint, latest_checkpoint, writers
 from chameleon.runtime.comm import fault_key
 from chameleon.runtime.faults import WORKER_PHASES, FaultSpec, planned_faults
 from chameleon.runtime.worker import (
@@ -124,6 +125,11 @@ class Controller:
             seq_len=self.train["seq_len"], tp=config["parallel"]["tp"],
         )
         self.planner = Planner(self.profile, dp_degrees=tuple(self.policy.dp_degrees), pp_lengths=tuple(self.policy.pp_lengths))
+        existing = latest_checkpoint(checkpoint_root(config["ckpt"], run_dir))
+        if existing is not None:
+            raise TrainingError(
+                f"{existing.path.parent} already holds checkpoints of another run: pick a new hydra.run.dir or ckpt.dir"
+            )
         self.store = dist.TCPStore(
             self.launcher["master_addr"], self.launcher["master_port"], is_master=True,
             timeout=timedelta(seconds=self.launcher["timeout_s"]), wait_for_workers=False,
@@ -146,6 +152,8 @@ class Controller:
         self.done: set[int] = set()
         self.timers: list[tuple[float, str, FaultSpec]] = []
         self.kill_times: dict[int, float] = {}
+        self.ckpt_saves: dict[tuple[int, int], set[int]] = {}
+        self.checkpoint: tuple[int, float] | None = None  # (committed steps it holds, when that step committed)
         self.t0 = time.time()
         self.t_train: float | None = None
 
@@ -205,6 +213,8 @@ class Controller:
             self.kill_times[device] = msg[2]
         elif kind == "done":
             self.done.add(device)
+        elif kind == "ckpt_saved" and msg[2] == self.generation:
+            self._on_checkpoint_saved(device, msg[3])
         elif kind == "ready" and msg[2] == self.generation:
             self.ready.add(device)
             if self.ready >= set(self.spec.devices) & self.alive:
@@ -218,6 +228,18 @@ class Controller:
             book.reported.add(device)
             if book.reported >= set(self.spec.plan.devices):
                 self._commit(step, self.books.pop(step))
+
+    def _on_checkpoint_saved(self, device: int, step: int) -> None:
+        """Commit checkpoint ``step`` once every writer of the current layout saved its part."""
+        saved = self.ckpt_saves.setdefault((self.generation, step), set())
+        saved.add(device)
+        expected = set(writers(layout_of(self.spec.plan, self.shapes, self.stage_names)))
+        if saved >= expected:
+            root = checkpoint_root(self.config["ckpt"], self.run_dir)
+            commit_checkpoint(root, step, expected_devices=sorted(expected), shapes=self.shapes,
+                              config=self.config, keep=self.config["ckpt"]["keep"])
+            self.checkpoint = (step, self.commit_times[step - 1])
+            self.events.write({"event": "checkpoint", "step": step, "path": str(root), "generation": self.generation})
 
     def _start_generation(self) -> None:
         self.store.set(start_key(self.generation), "1")
@@ -311,31 +333,37 @@ class Controller:
             rec.failed = sorted(set(rec.failed) | devices)
             rec.cause += f"; then {cause} during recovery"
         self.pending = rec
-        ckpt = None
+        age = t_detect - self.checkpoint[1] if self.checkpoint else None
         decision = decide(
             self.profile, self.resident, failed, policy=self.policy, planner=self.planner,
-            fault_times=self.fault_times, elapsed_s=t_detect - self.t0, checkpoint_age_s=None,
+            fault_times=self.fault_times, elapsed_s=t_detect - self.t0, checkpoint_age_s=age,
         )
         chosen = decision.chosen
         if chosen is None:
             raise TrainingError(f"no recovery is possible after losing devices {sorted(failed)}: {decision.note}")
-        old_layout = layout_of(self.resident, self.shapes, self.stage_names)
-        new_layout = layout_of(chosen.plan, self.shapes, self.stage_names)
-        manifest = relayout(old_layout, new_layout, survivors=sorted(self.alive))
+        resume, manifest, ckpt = self.committed + 1, None, None
+        if chosen.name == "checkpoint":
+            resume, ckpt = self.checkpoint[0], str(checkpoint_root(self.config["ckpt"], self.run_dir))
+        else:
+            old_layout = layout_of(self.resident, self.shapes, self.stage_names)
+            new_layout = layout_of(chosen.plan, self.shapes, self.stage_names)
+            manifest = relayout(old_layout, new_layout, survivors=sorted(self.alive))
+            rec.manifest_bytes, rec.manifest_rounds = manifest.wire_bytes, len(manifest.rounds)
         rec.t_decided = time.time()
         rec.decision = decision.to_dict()
-        rec.manifest_bytes, rec.manifest_rounds = manifest.wire_bytes, len(manifest.rounds)
         rec.estimated_step_s = estimate_step(self.profile, chosen.plan, reroute_slots=self.policy.reroute_slots).t_step
         self.events.write({
             "event": "fault", "generation": self.generation, "failed_ranks": sorted(devices), "cause": cause,
             "step": self.committed + 1, "detect_s": t_detect - t_fault, "decide_s": rec.t_decided - t_detect,
             "decision": rec.decision, "manifest_bytes": rec.manifest_bytes, "manifest_rounds": rec.manifest_rounds,
         })
+        reload = f"reloading the checkpoint of step {resume} ({age:.1f} s of progress lost)\n" if ckpt else ""
         print(f"\nchameleon: devices {sorted(devices)} lost at step {self.committed + 1} ({cause})\n"
-              f"{decision.table()}\nnew plan:\n{chosen.plan.describe()}", file=sys.stderr, flush=True)
+              f"{decision.table()}\n{reload}new plan:\n{chosen.plan.describe()}", file=sys.stderr, flush=True)
+        self.committed = resume - 1
         self.generation += 1
         self.started, self.ready = False, set()
-        spec = GenerationSpec(self.generation, chosen.plan, tuple(sorted(self.alive)), self.committed + 1, manifest, ckpt)
+        spec = GenerationSpec(self.generation, chosen.plan, tuple(sorted(self.alive)), resume, manifest, ckpt)
         self._publish(spec)
 
     def _publish(self, spec: GenerationSpec) -> None:

@@ -32,6 +32,7 @@ from chameleon.layout.relayout import Manifest
 from chameleon.layout.spec import layout_of
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import MegatronTP, param_shapes, stage_param_names
+from chameleon.runtime.checkpoint import CheckpointWriter, checkpoint_root, latest_checkpoint, load_regions, writers
 from chameleon.runtime.comm import BACKENDS, Generation, PeerFailure, connect_store
 from chameleon.runtime.device import prepare_device
 from chameleon.runtime.faults import SelfKill, planned_faults, worker_side
@@ -117,7 +118,8 @@ def _run(spec: WorkerSpec, link: _Link) -> None:
     torch.set_num_threads(launcher["threads_per_worker"])
     device = prepare_device(launcher["device"], local_rank=spec.device)
     model = model_config(cfg)
-    store = connect_store(spec.store_host, spec.store_port, timeout_s=launcher["timeout_s"])
+    rendezvous = partial(connect_store, spec.store_host, spec.store_port, timeout_s=launcher["timeout_s"])
+    store = rendezvous()
     stream = SampleStream.from_config(path=cfg["data"]["path"], seq_len=train["seq_len"], seed=train["seed"])
     faults = worker_side(planned_faults(cfg["failure"], world=launcher["nproc"]), spec.device)
     inject = SelfKill(faults, announce=partial(link.send, "dying"))
@@ -132,7 +134,7 @@ def _run(spec: WorkerSpec, link: _Link) -> None:
         gen = None
         try:
             gen = Generation(
-                store, generation=generation, devices=gen_spec.devices, me=spec.device,
+                store, connect_store=rendezvous, generation=generation, devices=gen_spec.devices, me=spec.device,
                 backend=BACKENDS[launcher["device"]], timeout_s=launcher["timeout_s"], groups=_group_sets(model, gen_spec.plan),
             )
             established = _establish(gen_spec, state, gen=gen, model=model, cfg=cfg, device=device)
@@ -175,8 +177,6 @@ def _establish(gen_spec: GenerationSpec, state: StageState | None, *, gen: Gener
     if role is None:
         return None
     if gen_spec.checkpoint is not None:
-        from chameleon.runtime.checkpoint import latest_checkpoint, load_regions
-
         regions = stage_regions(model, role, param_shapes(model))
         info = latest_checkpoint(Path(gen_spec.checkpoint))
         loaded = gen.call(partial(load_regions, info, regions))
@@ -194,6 +194,7 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen, model, cf
     rounds = sync_rounds(layout)
     tp = MegatronTP(partial(gen.all_reduce, members=role.spec.devices)) if role.spec.tp > 1 else None
     actions = step_actions(plan)[gen.me]
+    saver = _Saver(cfg, layout, gen=gen, link=link, run_dir=run_dir)
     for step in range(gen_spec.resume_step, train["steps"]):
         start = time.perf_counter()
         try:
@@ -212,11 +213,44 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen, model, cf
             raise
         inject(step, "optimizer")
         state.optimizer_step()
+        saver.after_step(step + 1, state)
+    saver.finish()
     if cfg["output"]["save_params"]:
         mine = {n: shard for n, shard in state.shards().items() if gen.me in layout[n].holders[0].devices}
         params_dir = Path(run_dir) / ".params"
         params_dir.mkdir(parents=True, exist_ok=True)
         torch.save(mine, params_dir / f"device{gen.me}.pt")
+
+
+class _Saver:
+    """Periodic asynchronous checkpoints of the regions this device writes (``ckpt.interval``)."""
+
+    def __init__(self, cfg: dict, layout, *, gen: Generation, link: _Link, run_dir: str):
+        self.interval, self.link, self.generation = cfg["ckpt"]["interval"], link, gen.generation
+        self.regions = writers(layout).get(gen.me, {}) if self.interval else {}
+        self.writer = CheckpointWriter(checkpoint_root(cfg["ckpt"], run_dir), device=gen.me) if self.regions else None
+        self.in_flight: int | None = None
+
+    def after_step(self, committed_steps: int, state: StageState) -> None:
+        self._report()
+        if self.writer is not None and committed_steps % self.interval == 0:
+            self.writer.wait()
+            self._report()
+            held = state.tensors()
+            shards = {kind: {n: held[kind][n] for n in self.regions} for kind in held}
+            self.writer.save_async(committed_steps, shards, regions=self.regions, committed_steps=committed_steps)
+            self.in_flight = committed_steps
+
+    def finish(self) -> None:
+        if self.writer is not None:
+            self.writer.wait()
+            self._report()
+
+    def _report(self) -> None:
+        if self.in_flight is not None and not self.writer.pending:
+            self.writer.wait()
+            self.link.send("ckpt_saved", self.generation, self.in_flight)
+            self.in_flight = None
 
 
 def _await(gen: Generation, key: str) -> None:
