@@ -26,9 +26,22 @@ class Run:
     def summary(self) -> dict:
         return json.loads((self.run_dir / "summary.json").read_text())
 
+    def leftover_workers(self) -> list[int]:
+        """Worker processes of this run that are still alive (there must be none)."""
+        start = json.loads((self.run_dir / "events.jsonl").read_text().splitlines()[0])
+        return [pid for pid in start["workers"].values() if _alive(pid)]
+
     @property
     def params(self) -> dict[str, torch.Tensor]:
         return torch.load(self.run_dir / "final_params.pt", weights_only=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
 
 
 def run_entry(entry: str, run_dir: Path, *overrides: str, timeout: float = 240) -> Run:
@@ -53,4 +66,7 @@ def reference_run(tmp_path_factory) -> Run:
 
 
 # A short run of the tiny model; every layout test trains exactly these steps.
-SMALL_RUN = ("train.steps=6", "model.dim=64", "model.n_layers=4", "train.global_batch=8", "train.micro_batch=2", "train.seq_len=32")
+SMALL_RUN = (
+    "train.steps=6", "model.dim=64", "model.n_layers=4", "train.global_batch=8", "train.micro_batch=2",
+    "train.seq_len=32", "failure=none",
+)

@@ -136,15 +136,34 @@ def test_cpu_share_stretches_steps_when_processes_outnumber_cores():
     from chameleon.layout.plan import Pipeline, Plan, Stage
 
     prof = tiny_profile()
-    shared = replace(prof, host_cores=2.0, devices_per_node=8)
-    plan = even_plan(dp=2, pp=2, tp=1, n_layers=prof.n_layers, global_batch=8, micro_batch=1)
-    alone = est.estimate_step(prof, plan)
-    # 4 processes on 2 cores: each gets half a core for the whole step.
-    assert est.estimate_step(shared, plan).t_step == pytest.approx(2 * alone.t_step)
+    shared = replace(prof, host_cores=2.0)
+    # 4 single-stage pipelines on 2 cores: all busy from the start, each at half a core.
+    plan = even_plan(dp=4, pp=1, tp=1, n_layers=prof.n_layers, global_batch=8, micro_batch=1)
+    assert est.estimate_step(shared, plan).t_step == pytest.approx(2 * est.estimate_step(prof, plan).t_step)
     # As many processes as cores: no stretch.
     two = even_plan(dp=2, pp=1, tp=1, n_layers=prof.n_layers, global_batch=8, micro_batch=1)
     assert est.estimate_step(shared, two).t_step == pytest.approx(est.estimate_step(prof, two).t_step)
-    # The busiest node sets the stretch: devices 0..2 on node 0, 8 on node 1.
+    # The busiest node sets the stretch of sync and optimizer: devices 0..2 on node 0, 8 on node 1.
     spread = Plan(prof.n_layers, 1, (Pipeline((Stage((0,), (0, 2)), Stage((1,), (2, 4))), 4),
                                      Pipeline((Stage((2,), (0, 2)), Stage((8,), (2, 4))), 4)))
     assert est.estimate_step(shared, spread).cpu_share == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_shared_cores_between_free_cores_and_one_core(seed):
+    from chameleon.layout.plan import plan_from_spec
+
+    rng = random.Random(seed)
+    prof = replace(tiny_profile(n_layers=6), devices_per_node=64)
+    specs = []
+    for _ in range(rng.randint(1, 3)):
+        cuts = sorted(rng.sample(range(1, 6), rng.randint(0, 3)))
+        specs.append({"layers": [b - a for a, b in zip([0] + cuts, cuts + [6])], "micro_batches": rng.randint(1, 6)})
+    plan = plan_from_spec(specs, tp=1, n_layers=6, global_batch=sum(s["micro_batches"] for s in specs), micro_batch=1)
+    costs = [est._pipeline_costs(prof, p.stages) for p in plan.pipelines]
+    # Cores for everyone: the slowest pipeline's 1F1B, from the independent event simulation.
+    free = max(_event_simulation(f, b, p.micro_batches) for (f, b), p in zip(costs, plan.pipelines))
+    assert est.shared_compute(replace(prof, host_cores=64.0), plan) == pytest.approx(free)
+    # One core never idles while an op is ready: every op's work, back to back.
+    work = sum(p.micro_batches * (sum(f) + sum(b)) for (f, b), p in zip(costs, plan.pipelines))
+    assert est.shared_compute(replace(prof, host_cores=1.0), plan) == pytest.approx(work)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from dataclasses import replace
 
 import pytest
 
@@ -81,16 +80,6 @@ def test_planner_equals_exhaustive_on_random_small_cases(seed):
             planner.best(units, n_micro=n_micro, micro_batch_size=1)
     else:
         assert planner.best(units, n_micro=n_micro, micro_batch_size=1).estimate.t_step == pytest.approx(want, rel=1e-9)
-
-
-def test_cpu_share_never_changes_the_best_plan():
-    prof = tiny_profile()
-    shared = replace(prof, host_cores=2.0)
-    units = [(d,) for d in range(6)]
-    alone = Planner(prof).best(units, n_micro=8, micro_batch_size=1)
-    cpu = Planner(shared).best(units, n_micro=8, micro_batch_size=1)
-    assert cpu.plan == alone.plan
-    assert cpu.estimate.t_step == pytest.approx(3 * alone.estimate.t_step)  # 6 processes on 2 cores
 
 
 @pytest.mark.parametrize("n_units", [7, 13, 31])

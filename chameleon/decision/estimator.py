@@ -2,9 +2,10 @@
 
 Step time = slowest pipeline's 1F1B schedule (Eq. 10/11, an exact longest path
 through the schedule's dependency DAG, stages may differ) + rerouting's extra
-slots (Eq. 12/13) + coloured DP gradient-sync rounds + the optimizer step, all
-stretched by the CPU share when worker processes outnumber their node's cores
-(CPU profiles only). Stage costs fold the point-to-point activation transfer into
+slots (Eq. 12/13) + coloured DP gradient-sync rounds + the optimizer step. On CPU
+profiles, whose devices are processes sharing their node's cores, the 1F1B phase
+is a processor-sharing simulation of every op and the rest is stretched by the
+share of a core each process gets. Stage costs fold the point-to-point activation transfer into
 the sending stage (blocking send), so the closed form ``fill + (m−1)·bottleneck``
 is exact for uniform stages (Eq. 9) and an upper bound otherwise. Memory follows
 Eq. 14 with the embedding and head on the first and last stages and
@@ -27,8 +28,9 @@ REROUTE_SLOTS = ("max", "sum")
 class StepEstimate:
     """Estimated step time of a plan and its parts (seconds).
 
-    ``t_step = cpu_share · (compute + reroute + sync + optimizer)``; the parts are
-    unstretched.
+    ``t_step = compute + reroute + sync + optimizer``, except on shared CPU cores:
+    ``shared_compute + cpu_share · (reroute + sync + optimizer)``. The parts are
+    unshared.
     """
 
     t_step: float
@@ -39,6 +41,7 @@ class StepEstimate:
     sync_rounds: int
     pipelines: tuple[float, ...]
     cpu_share: float = 1.0
+    shared_compute: float = 0.0
 
 
 def stage_cost(profile: Profile, n_layers: int, *, first: bool, last: bool) -> tuple[float, float]:
@@ -213,18 +216,59 @@ def reroute_extra(profile: Profile, plan: Plan, *, slots: str = "max") -> float:
 
 
 def cpu_share(profile: Profile, plan: Plan) -> float:
-    """How much slower every device runs because worker processes outnumber their node's cores.
+    """``max(1, P/C)`` of the busiest node: the stretch when all ``P`` processes on ``C`` cores are busy.
 
     CPU devices (``profile.host_cores`` > 0) are processes time-sharing their node's
-    cores. The runtime's waits poll (every millisecond), so a waiting process stays
-    runnable and each of ``P`` processes on ``C`` cores gets ``C/P`` of a core for the
-    whole step: the busiest node stretches it by ``max(1, P/C)``. Every plan over the
-    same devices shares the factor, so it never changes which plan is best.
+    cores; gradient sync and the optimizer step keep every process busy at once.
     """
     if not profile.host_cores or not plan.devices:
         return 1.0
     per_node = Counter(d // profile.devices_per_node for d in plan.devices)
     return max(1.0, max(per_node.values()) / profile.host_cores)
+
+
+def shared_compute(profile: Profile, plan: Plan) -> float:
+    """The 1F1B phase of every pipeline at once when stage processes share their node's cores.
+
+    A processor-sharing simulation: each stage runs its ops in 1F1B order once their
+    inputs are done (as in :func:`pipeline_time`), and the ``n`` ops running on a node
+    with ``C`` cores each progress at ``min(1, C/n)``; a waiting process uses no core.
+    Equals the slowest :func:`pipeline_time` when no node has more busy stages than cores.
+    """
+    units = []  # (pipeline, stage, node, fwd, bwd, order)
+    for j, p in enumerate(plan.pipelines):
+        fwd, bwd = _pipeline_costs(profile, p.stages)
+        for s, st in enumerate(p.stages):
+            node = st.devices[0] // profile.devices_per_node if st.devices else -1 - j
+            units.append((j, s, node, fwd[s], bwd[s], one_f_one_b_order(p.n_stages, s, p.micro_batches)))
+    done: dict[tuple[bool, int, int, int], float] = {}
+    pos = [0] * len(units)
+    left: dict[int, float] = {}  # unit -> work left of its running op
+    now = 0.0
+    while True:
+        for u, (j, s, _, fwd, bwd, order) in enumerate(units):
+            if u in left or pos[u] == len(order):
+                continue
+            is_b, m = order[pos[u]]
+            last = s == plan.pipelines[j].n_stages - 1
+            dep = (True, j, s + 1, m) if is_b and not last else (False, j, s, m) if is_b else (False, j, s - 1, m)
+            if (is_b or s) and dep not in done:
+                continue
+            left[u] = bwd if is_b else fwd
+        if not left:
+            return now
+        busy = Counter(units[u][2] for u in left)
+        rate = {u: min(1.0, profile.host_cores / busy[units[u][2]]) for u in left}
+        step = min(left[u] / rate[u] for u in left)
+        now += step
+        for u in list(left):
+            left[u] -= step * rate[u]
+            if left[u] <= 1e-12 * max(1.0, now):
+                j, s, _, _, _, order = units[u]
+                is_b, m = order[pos[u]]
+                done[(is_b, j, s, m)] = now
+                pos[u] += 1
+                del left[u]
 
 
 def estimate_step(profile: Profile, plan: Plan, *, reroute_slots: str = "max") -> StepEstimate:
@@ -240,8 +284,12 @@ def estimate_step(profile: Profile, plan: Plan, *, reroute_slots: str = "max") -
     sync, rounds = sync_time(profile, plan)
     opt = optimizer_time(profile, plan)
     compute = max(times)
-    share = cpu_share(profile, plan)
-    return StepEstimate(share * (compute + extra + sync + opt), compute, extra, sync, opt, rounds, tuple(times), share)
+    if not profile.host_cores:
+        return StepEstimate(compute + extra + sync + opt, compute, extra, sync, opt, rounds, tuple(times))
+    share, shared = cpu_share(profile, plan), shared_compute(profile, plan)
+    return StepEstimate(
+        shared + share * (extra + sync + opt), compute, extra, sync, opt, rounds, tuple(times), share, shared
+    )
 
 
 def symmetric_step(n_stages: int, n_micro: int, fwd: float, bwd: float) -> float:

@@ -1,0 +1,116 @@
+"""Real SIGKILLs (and a SIGSTOP) of worker processes mid-run: nothing is lost, the math is unchanged.
+
+Every run is compared with the single-process, failure-free reference of the same
+model and data: the losses of every step and the final parameters agree to 1e-5
+(relative, fp32 — only floating-point reassociation differs), and the same global
+samples were trained at every step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import relative_difference, run_entry
+
+TOLERANCE = 1e-5
+STEPS = 8
+# Six layers, so a 3-stage pipeline has a first, a middle and a last stage.
+MODEL = (
+    f"train.steps={STEPS}", "model.dim=64", "model.n_layers=6", "train.global_batch=12", "train.micro_batch=2",
+    "train.seq_len=32", "ft.heartbeat_timeout_s=1.0",
+)
+DP2_PP3 = ("launcher.nproc=6", "parallel.dp=2", "parallel.pp=3")  # devices: pipe0 = 0,1,2; pipe1 = 3,4,5
+
+
+def fail_at(*faults: tuple[int, int, str]) -> tuple[str, ...]:
+    """Overrides that SIGKILL device ``rank`` at ``step`` in ``phase`` for each ``(rank, step, phase)``."""
+    items = ",".join(f"{{kind:kill,rank:{r},step:{s},phase:{p}}}" for r, s, p in faults)
+    return ("failure=schedule", f"failure.faults=[{items}]")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = run_entry("train", tmp_path_factory.mktemp("ref") / "run", *MODEL, "launcher.nproc=1", "failure=none")
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+def assert_nothing_lost(run, reference) -> dict:
+    assert run.returncode == 0, run.stderr
+    got, ref = run.summary, reference.summary
+    assert got["steps_completed"] == STEPS
+    for a, b in zip(got["losses"], ref["losses"], strict=True):
+        assert abs(a - b) <= TOLERANCE * abs(b)
+    assert relative_difference(run.params, reference.params) <= TOLERANCE
+    assert got["sample_ids_digest"] == ref["sample_ids_digest"]
+    assert not run.leftover_workers()
+    return got
+
+
+@pytest.mark.parametrize(
+    ("policy", "rank", "phase"),
+    [
+        ("reroute", 0, "forward"),  # first stage
+        ("reroute", 5, "sync"),  # last stage
+        ("dynamic", 1, "backward"),  # middle stage
+        ("dynamic", 3, "optimizer"),  # first stage, after the commit
+        ("redundant", 4, "sync"),  # middle stage
+        ("redundant", 2, "any"),  # last stage, a random moment of the step (killed by the controller)
+    ],
+)
+def test_policy_recovers_exactly(tmp_path, reference, policy, rank, phase):
+    faults = ("failure=kill", f"failure.rank={rank}", "failure.step=3", f"failure.phase={phase}")
+    run = run_entry("train", tmp_path / "run", *MODEL, *DP2_PP3, f"policy.name={policy}", *faults)
+    got = assert_nothing_lost(run, reference)
+    (recovery,) = got["recoveries"]
+    assert recovery["chosen"] == policy and recovery["failed_ranks"] == [rank]
+    # a committed step is never redone; a kill at a random moment may land after step 3's commit
+    assert recovery["step"] in ({3, 4} if phase == "any" else {4} if phase == "optimizer" else {3})
+    events = [json.loads(x) for x in (run.run_dir / "events.jsonl").read_text().splitlines()]
+    fault = next(e for e in events if e["event"] == "fault")
+    names = {c["name"] for c in fault["decision"]["candidates"]}
+    assert names == {"reroute", "dynamic", "redundant", "checkpoint"}
+    assert "lost at step" in run.stderr and policy in run.stderr
+
+
+def test_consecutive_faults_and_a_fault_during_recovery(tmp_path, reference):
+    faults = fail_at((1, 2, "backward"), (5, 2, "recovery"), (3, 5, "forward"))
+    run = run_entry("train", tmp_path / "run", *MODEL, *DP2_PP3, "ckpt.interval=2", *faults)
+    got = assert_nothing_lost(run, reference)
+    assert [r["failed_ranks"] for r in got["recoveries"]] == [[1, 5], [3]]
+    assert "during recovery" in got["recoveries"][0]["cause"]
+
+
+def test_hang_is_detected_by_heartbeat_and_fenced(tmp_path, reference):
+    run = run_entry("train", tmp_path / "run", *MODEL, *DP2_PP3, "failure=hang", "failure.rank=2", "failure.step=3")
+    got = assert_nothing_lost(run, reference)
+    (recovery,) = got["recoveries"]
+    assert "heartbeat" in recovery["cause"] and 0.9 <= recovery["detect_s"] <= 5.0
+
+
+def test_every_replica_of_a_stage_lost_falls_back_to_the_checkpoint(tmp_path, reference):
+    faults = fail_at((1, 5, "forward"), (4, 5, "forward"))  # stage 1 of both pipelines
+    run = run_entry("train", tmp_path / "run", *MODEL, *DP2_PP3, "ckpt.interval=2", *faults)
+    got = assert_nothing_lost(run, reference)
+    assert got["recoveries"][-1]["chosen"] == "checkpoint"
+    assert "reloading the checkpoint" in run.stderr
+    assert sorted(p.name for p in (run.run_dir / "checkpoints").iterdir())[-1] == f"step_{STEPS:08d}"
+
+
+def test_tensor_parallel_stage_lost(tmp_path, reference):
+    run = run_entry(
+        "train", tmp_path / "run", *MODEL, "launcher.nproc=4", "parallel.dp=2", "parallel.tp=2",
+        "model.n_kv_heads=2", *fail_at((3, 3, "backward")),
+    )
+    got = assert_nothing_lost(run, reference)
+    assert got["recoveries"][0]["failed_ranks"] == [3]
+
+
+def test_without_replica_or_checkpoint_the_run_stops_clearly(tmp_path):
+    run = run_entry("train", tmp_path / "run", *MODEL, "launcher.nproc=2", "parallel.dp=1", "parallel.pp=2",
+                    *fail_at((1, 2, "forward")))
+    assert run.returncode == 1
+    assert "no recovery is possible" in run.stderr and "no checkpoint exists" in run.stderr
+    assert not run.leftover_workers()
