@@ -34,7 +34,8 @@ from chameleon.decision.config import ClusterConfig
 from chameleon.decision.estimator import estimate_step
 from chameleon.decision.profiler import load_profile
 
-SHAPE = ("train.seq_len=64", "train.global_batch=16", "train.micro_batch=4")
+# No injected fault; plans below start from plain DP over launcher.nproc workers (conf/parallel/dp.yaml).
+BASE = ("failure=none", "parallel=dp", "train.seq_len=64", "train.global_batch=16", "train.micro_batch=4")
 PLANS = {
     "dp1": ("launcher.nproc=1",),
     "dp2": ("launcher.nproc=2",),
@@ -51,7 +52,7 @@ PLANS = {
 def measure(overrides: tuple[str, ...], run_dir: Path, steps: int) -> dict:
     """Train with ``overrides`` in real worker processes; the run's summary.json."""
     cmd = [sys.executable, "-m", "chameleon.train", f"hydra.run.dir={run_dir}", "output.progress=false",
-           "launcher.timeout_s=300", f"train.steps={steps}", *SHAPE, *overrides]
+           "launcher.timeout_s=300", f"train.steps={steps}", *BASE, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600)
     if proc.returncode != 0:
@@ -70,7 +71,7 @@ def main() -> None:
     print(f"env: Python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        base = compose(config_name="config", overrides=list(SHAPE))
+        base = compose(config_name="config", overrides=list(BASE))
         cluster = replace(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ClusterConfig), base.cluster)),
                           cache_dir=args.cache_dir or tmp)
         model = model_config(base)
@@ -83,7 +84,7 @@ def main() -> None:
         print(f"{'plan':<9} {'procs':>5} {'est. s':>8} {'meas. s':>8} {'error':>7} {'load':>5}  estimate parts")
         errors, shared = [], []
         for name in args.plans:
-            cfg = compose(config_name="config", overrides=[*SHAPE, *PLANS[name]])
+            cfg = compose(config_name="config", overrides=[*BASE, *PLANS[name]])
             plan = build_plan(cfg)
             est = estimate_step(profile, plan)
             summary = measure(PLANS[name], Path(tmp) / name.replace("×", "x").replace("+", "_"), args.steps)
@@ -92,8 +93,8 @@ def main() -> None:
             shared.append(est.cpu_share > 1)
             print(f"{name:<9} {cfg.launcher.nproc:>5} {est.t_step:>8.4f} {measured:>8.4f} "
                   f"{100 * (est.t_step - measured) / measured:>+6.1f}% {os.getloadavg()[0]:>5.2f}  "
-                  f"{est.cpu_share:g} × (compute {est.compute:.4f} + sync {est.sync:.4f} in {est.sync_rounds} rounds "
-                  f"+ optimizer {est.optimizer:.4f})", flush=True)
+                  f"1F1B {est.shared_compute or est.compute:.4f} (alone {est.compute:.4f}) + {est.cpu_share:g} × "
+                  f"(sync {est.sync:.4f} in {est.sync_rounds} rounds + optimizer {est.optimizer:.4f})", flush=True)
     print(f"median |error| {100 * statistics.median(errors):.1f}% over {len(errors)} plans "
           f"(goal ≤ 10%); max {100 * max(errors):.1f}%")
     for label, group in (("processes ≤ cores", False), ("processes > cores", True)):

@@ -80,6 +80,9 @@ class LauncherConfig:
 @dataclass
 class FaultToleranceConfig:
     heartbeat_timeout_s: float = 2.0  # a worker silent this long is declared hung and fenced (SIGKILL)
+    # recover: survive faults in place. exit: like torchrun, stop every worker and exit 3 so an outer
+    # scheduler relaunches the job (with ckpt.resume) — the restart path Chameleon is measured against.
+    on_fault: str = "recover"
 
 
 @dataclass
@@ -87,6 +90,7 @@ class CheckpointConfig:
     interval: int = 0  # save every N committed steps; 0 disables checkpoints
     dir: str | None = None  # None: <run dir>/checkpoints
     keep: int = 2
+    resume: str | None = None  # a checkpoint root: start from its newest complete checkpoint
 
 
 @dataclass
@@ -201,6 +205,7 @@ def validate(cfg: DictConfig) -> Plan:
         raise ConfigError(str(err)) from None
     _check(cfg.ft.heartbeat_timeout_s > 0, f"ft.heartbeat_timeout_s={cfg.ft.heartbeat_timeout_s}: must be > 0")
     _check(cfg.ckpt.interval >= 0, f"ckpt.interval={cfg.ckpt.interval}: use 0 (off) or a positive step count")
+    _check(cfg.ft.on_fault in ("recover", "exit"), f"ft.on_fault={cfg.ft.on_fault!r}: use recover or exit")
     return plan
 
 

@@ -27,12 +27,15 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"chameleon: config error: {err}", file=sys.stderr)
         sys.exit(2)
-    from chameleon.runtime.controller import TrainingError, run_training
+    from chameleon.runtime.controller import JobRestart, TrainingError, run_training
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     print(f"plan ({len(plan.devices)} workers):\n{plan.describe()}", flush=True)
     try:
         summary = run_training(to_container(cfg), plan=plan, run_dir=run_dir)
+    except JobRestart as err:
+        print(f"chameleon: {err}", file=sys.stderr)
+        sys.exit(3)
     except TrainingError as err:
         print(f"chameleon: training failed: {err}", file=sys.stderr)
         sys.exit(1)

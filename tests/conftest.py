@@ -68,5 +68,5 @@ def reference_run(tmp_path_factory) -> Run:
 # A short run of the tiny model; every layout test trains exactly these steps.
 SMALL_RUN = (
     "train.steps=6", "model.dim=64", "model.n_layers=4", "train.global_batch=8", "train.micro_batch=2",
-    "train.seq_len=32", "failure=none",
+    "train.seq_len=32", "failure=none", "parallel=dp",
 )

@@ -1,4 +1,4 @@
-"""Estimator: Eq. 9 by hand, uneven 1F1B against an independent event simulation, Eq. 12/14."""
+"""Estimator: Eq. 9 by hand, uneven 1F1B against an independent event simulation, Eq. 12/14, shared CPU cores."""
 
 from __future__ import annotations
 
@@ -160,7 +160,10 @@ def test_shared_cores_between_free_cores_and_one_core(seed):
         cuts = sorted(rng.sample(range(1, 6), rng.randint(0, 3)))
         specs.append({"layers": [b - a for a, b in zip([0] + cuts, cuts + [6])], "micro_batches": rng.randint(1, 6)})
     plan = plan_from_spec(specs, tp=1, n_layers=6, global_batch=sum(s["micro_batches"] for s in specs), micro_batch=1)
-    costs = [est._pipeline_costs(prof, p.stages) for p in plan.pipelines]
+    costs = []
+    for p in plan.pipelines:
+        pairs = [est.stage_cost(prof, st.n_layers, first=s == 0, last=s == p.n_stages - 1) for s, st in enumerate(p.stages)]
+        costs.append(([f for f, _ in pairs], [b for _, b in pairs]))
     # Cores for everyone: the slowest pipeline's 1F1B, from the independent event simulation.
     free = max(_event_simulation(f, b, p.micro_batches) for (f, b), p in zip(costs, plan.pipelines))
     assert est.shared_compute(replace(prof, host_cores=64.0), plan) == pytest.approx(free)

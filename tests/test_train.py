@@ -60,7 +60,7 @@ def test_outputs(reference_run):
         (("launcher.nproc=3", "parallel.dp=2"), "launcher.nproc"),
         (("launcher.nproc=8", "parallel.dp=1", "parallel.pp=8", "model.n_layers=4"), "parallel.pp"),
         (("train.global_batch=10", "train.micro_batch=4"), "train.micro_batch"),
-        (("launcher.nproc=2", "parallel.tp=2", "parallel.dp=1", "model.n_kv_heads=1", "model.n_heads=4"), "parallel.tp"),
+        (("launcher.nproc=2", "parallel.tp=2", "parallel.dp=1", "parallel.pp=1", "model.n_kv_heads=1"), "parallel.tp"),
         (("launcher.device=tpu",), "launcher.device"),
         (("+recipe=llama7b",), "GiB"),
     ],

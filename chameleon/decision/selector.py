@@ -207,8 +207,13 @@ def candidates(
     slots: str = "max",
     checkpoint_age_s: float | None = None,
     precomputed: Plan | None = None,
+    in_process: bool = False,
 ) -> list[Candidate]:
-    """Every recovery candidate for ``failed`` devices of ``plan``, feasible or not (with why)."""
+    """Every recovery candidate for ``failed`` devices of ``plan``, feasible or not (with why).
+
+    ``in_process``: survivors reload a checkpoint without restarting (Chameleon's
+    runtime), so that candidate pays a group rebuild instead of a job restart.
+    """
     batch = plan.global_batch
     gaps = _uncovered_layers(plan, failed)
     out = []
@@ -241,18 +246,19 @@ def candidates(
             out.append(_finish("redundant", profile, to, {"migrate": migrate, "rebuild": est.rebuild_time(profile, to)}, **common))
         except PlanError as err:
             out.append(Candidate("redundant", False, str(err)))
-    out.append(_checkpoint(profile, plan, failed, planner, checkpoint_age_s, **common))
+    out.append(_checkpoint(profile, plan, failed, planner, checkpoint_age_s, in_process=in_process, **common))
     return out
 
 
-def _checkpoint(profile, plan, failed, planner, age_s, *, global_batch, d_s, slots) -> Candidate:
+def _checkpoint(profile, plan, failed, planner, age_s, *, in_process, global_batch, d_s, slots) -> Candidate:
     if age_s is None:
         return Candidate("checkpoint", False, "no checkpoint exists")
     try:
         target = planner.choose(stage_units(plan, failed), n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
     except PlanError as err:
         return Candidate("checkpoint", False, str(err))
-    parts = {"restart": profile.restart_s, "reload": est.checkpoint_time(profile, plan.n_layers), "lost_progress": age_s}
+    restart = {"rebuild": est.rebuild_time(profile, target)} if in_process else {"restart": profile.restart_s}
+    parts = {**restart, "reload": est.checkpoint_time(profile, plan.n_layers), "lost_progress": age_s}
     return _finish("checkpoint", profile, target, parts, global_batch=global_batch, d_s=d_s, slots=slots)
 
 
@@ -267,6 +273,7 @@ def decide(
     elapsed_s: float = 0.0,
     checkpoint_age_s: float | None = None,
     precomputed: Plan | None = None,
+    in_process: bool = False,
 ) -> Decision:
     """Weigh every candidate by Eq. 8 and choose; a forced ``policy.name`` restricts the choice.
 
@@ -278,7 +285,7 @@ def decide(
     d_s, source = estimate_d(policy, fault_times=list(fault_times), elapsed_s=elapsed_s)
     cands = candidates(
         profile, plan, failed, planner=planner, d_s=d_s, slots=policy.reroute_slots,
-        checkpoint_age_s=checkpoint_age_s, precomputed=precomputed,
+        checkpoint_age_s=checkpoint_age_s, precomputed=precomputed, in_process=in_process,
     )
     feasible = [c for c in cands if c.feasible]
     note = ""

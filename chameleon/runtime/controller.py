@@ -60,6 +60,10 @@ class TrainingError(RuntimeError):
     """A failure the run cannot survive; the message says which and why."""
 
 
+class JobRestart(TrainingError):
+    """A fault under ``ft.on_fault=exit``: every worker is stopped for an outer relaunch."""
+
+
 @dataclass
 class StepBook:
     """Reports of one step from the devices of the current generation."""
@@ -126,16 +130,22 @@ class Controller:
         )
         self.planner = Planner(self.profile, dp_degrees=tuple(self.policy.dp_degrees), pp_lengths=tuple(self.policy.pp_lengths))
         existing = latest_checkpoint(checkpoint_root(config["ckpt"], run_dir))
-        if existing is not None:
+        resume = config["ckpt"]["resume"]
+        if existing is not None and resume is None:
             raise TrainingError(
-                f"{existing.path.parent} already holds checkpoints of another run: pick a new hydra.run.dir or ckpt.dir"
+                f"{existing.path.parent} already holds checkpoints of another run: pick a new hydra.run.dir or "
+                f"ckpt.dir, or continue that run with ckpt.resume={existing.path.parent}"
             )
         self.store = dist.TCPStore(
             self.launcher["master_addr"], self.launcher["master_port"], is_master=True,
             timeout=timedelta(seconds=self.launcher["timeout_s"]), wait_for_workers=False,
         )
         self.generation = 0
-        self.spec = GenerationSpec(0, plan, tuple(sorted(plan.devices)), resume_step=0)
+        start = latest_checkpoint(Path(resume)) if resume else None
+        if resume and start is None:
+            raise TrainingError(f"ckpt.resume={resume} holds no complete checkpoint")
+        self.first_step = start.committed_steps if start else 0
+        self.spec = GenerationSpec(0, plan, tuple(sorted(plan.devices)), self.first_step, checkpoint=resume)
         self.resident = plan  # the plan whose layout the survivors' state is in
         self.started = False
         self.ready: set[int] = set()
@@ -144,7 +154,7 @@ class Controller:
         self.step_times: dict[int, float] = {}
         self.step_ids: dict[int, list[int]] = {}
         self.commit_times: dict[int, float] = {}
-        self.committed = -1
+        self.committed = self.first_step - 1
         self.recoveries: list[Recovery] = []
         self.pending: Recovery | None = None
         self.fault_times: list[float] = []
@@ -276,7 +286,7 @@ class Controller:
         dt = book.step_time_s
         self.metrics.write({
             "step": step, "loss": book.loss, "samples_per_s": batch / dt, "tokens_per_s": batch * self.train["seq_len"] / dt,
-            "step_time_s": dt, "generation": self.generation,
+            "step_time_s": dt, "generation": self.generation, "time": now,
         })
         self.bar.n = step + 1
         self.bar.set_postfix(loss=f"{book.loss:.4f}", gen=self.generation)
@@ -332,6 +342,11 @@ class Controller:
             return
         self.alive -= devices
         self.store.set(fault_key(self.generation), "1")
+        if self.ft["on_fault"] == "exit":
+            self.events.write({"event": "fault", "failed_ranks": sorted(devices), "cause": cause, "t_fault": t_fault,
+                               "step": self.committed + 1, "action": "exit for a relaunch"})
+            raise JobRestart(f"devices {sorted(devices)} lost at step {self.committed + 1} ({cause}); ft.on_fault=exit: "
+                             "relaunch with ckpt.resume=" + str(checkpoint_root(self.config["ckpt"], self.run_dir)))
         self.books.clear()
         self.fault_times.append(t_fault - self.t0)
         failed = set(self.resident.devices) - self.alive
@@ -343,7 +358,7 @@ class Controller:
         age = t_detect - self.checkpoint[1] if self.checkpoint else None
         decision = decide(
             self.profile, self.resident, failed, policy=self.policy, planner=self.planner,
-            fault_times=self.fault_times, elapsed_s=t_detect - self.t0, checkpoint_age_s=age,
+            fault_times=self.fault_times, elapsed_s=t_detect - self.t0, checkpoint_age_s=age, in_process=True,
         )
         chosen = decision.chosen
         if chosen is None:
@@ -361,7 +376,7 @@ class Controller:
         rec.estimated_step_s = estimate_step(self.profile, chosen.plan, reroute_slots=self.policy.reroute_slots).t_step
         self.events.write({
             "event": "fault", "generation": self.generation, "failed_ranks": sorted(devices), "cause": cause,
-            "step": self.committed + 1, "detect_s": t_detect - t_fault, "decide_s": rec.t_decided - t_detect,
+            "step": self.committed + 1, "t_fault": t_fault, "detect_s": t_detect - t_fault, "decide_s": rec.t_decided - t_detect,
             "decision": rec.decision, "manifest_bytes": rec.manifest_bytes, "manifest_rounds": rec.manifest_rounds,
         })
         reload = f"reloading the checkpoint of step {resume} ({age:.1f} s of progress lost)\n" if ckpt else ""
@@ -432,15 +447,16 @@ class Controller:
 
     def _write_summary(self) -> Path:
         batch, steps = self.train["global_batch"], sorted(self.losses)
-        if len(steps) != self.train["steps"]:
+        if steps != list(range(self.first_step, self.train["steps"])):
             raise TrainingError(f"only {len(steps)} of train.steps={self.train['steps']} steps were committed")
-        first_fault = self.recoveries[0].step if self.recoveries else len(steps)
+        first_fault = self.recoveries[0].step if self.recoveries else steps[-1] + 1
         last_fault = self.recoveries[-1].step if self.recoveries else 0
-        before = [self.step_times[s] for s in steps[1:first_fault]]
+        before = [self.step_times[s] for s in steps[1:] if s < first_fault]
         after = [self.step_times[s] for s in steps if s > last_fault] if self.recoveries else []
         steady = [self.step_times[s] for s in steps[1:]] or [self.step_times[steps[0]]]
         rate = lambda ts: batch * len(ts) / sum(ts) if ts else None  # noqa: E731
         return write_json(self.run_dir / "summary.json", {
+            "first_step": self.first_step,
             "steps_completed": len(steps),
             "final_loss": self.losses[steps[-1]],
             "losses": [self.losses[s] for s in steps],

@@ -1,0 +1,200 @@
+"""Failure-free DP×PP step time: Chameleon's 1F1B runtime against plain ``torch.distributed.pipelining``.
+
+Run: ``python benchmarks/bench_pipeline.py [--layouts 2x2 1x4] [--rounds 2] [--steps 10]``.
+
+Both run in the same gloo worker processes, on the same model (the functional Llama
+of ``chameleon.model.llama``), the same initial parameters and the same samples,
+alternating A, B, A, B (``--rounds`` pairs of ``--warmup`` + ``--steps`` steps each):
+
+- **ours**: the worker's data path — ``step_actions`` once, then per step ``run_step``
+  (1F1B over a :class:`Generation`'s fault-polled sends/receives, coloured gradient
+  sync) and the AdamW step. The controller's commit round trip is not included.
+- **plain**: per pipeline a ``PipelineStage`` + ``Schedule1F1B`` over an nn.Module
+  whose forward calls ``stage_forward`` on ``nn.ParameterDict``-held tensors, then one
+  flat-bucket all-reduce over the stage's DP group and AdamW.
+
+Every step starts after a barrier; its time is the slowest rank's. The table gives
+the median over all measured steps, and ``--profile`` adds a cProfile of ours on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+from _common import HOST, TIMEOUT_S, header, launch, median_ms, step_times, timed
+from chameleon.data.stream import SampleStream, micro_batch_samples
+from chameleon.layout.colouring import sync_rounds
+from chameleon.layout.plan import Plan, even_plan, micro_batch_ranges
+from chameleon.layout.spec import layout_of
+from chameleon.model.config import ModelConfig
+from chameleon.model.llama import init_params, param_shapes, stage_forward, stage_param_names
+from chameleon.runtime.comm import Generation, connect_store
+from chameleon.runtime.schedule import run_step, step_actions
+from chameleon.runtime.stage import StageState, role_of
+
+CPU = torch.device("cpu")
+TRAIN = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "seed": 0}
+
+
+class FunctionalStage(nn.Module):
+    """A pipeline stage as an nn.Module: ``stage_forward`` over parameters held in a ParameterDict."""
+
+    def __init__(self, params: dict[str, torch.Tensor], model: ModelConfig, *, layers, first: bool, last: bool):
+        super().__init__()
+        self.names = {n: n.replace(".", "_") for n in params}  # ParameterDict keys cannot hold dots
+        self.params = nn.ParameterDict({k: nn.Parameter(params[n].clone()) for n, k in self.names.items()})
+        self.model, self.layers, self.first, self.last = model, layers, first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = {n: self.params[k] for n, k in self.names.items()}
+        return stage_forward(params, self.model, x, layers=self.layers, first=self.first, last=self.last)
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _worker(rank: int, world: int, store, model: ModelConfig, train: dict, plan: Plan, args) -> dict:
+    stream = SampleStream.from_config(path=None, seq_len=train["seq_len"], seed=train["seed"])
+    role = role_of(plan, rank)
+    stage = plan.pipelines[role.pipeline].stages[role.stage]
+    first, last = role.first, role.last
+
+    # Plain PyTorch: the default group for barriers, one group per pipeline and per stage's DP replicas.
+    dist.init_process_group("gloo", store=dist.PrefixStore("plain", store), rank=rank, world_size=world)
+    pipe_groups = [dist.new_group(list(p.devices)) for p in plan.pipelines]
+    dp_groups = [dist.new_group([p.stages[s].devices[0] for p in plan.pipelines]) for s in range(role.n_stages)]
+    names = stage_param_names(model, stage.layers, first=first, last=last)
+    module = FunctionalStage(init_params(model, train["seed"], names=names), model, layers=stage.layers, first=first, last=last)
+    pstage = PipelineStage(module, role.stage, role.n_stages, CPU, group=pipe_groups[role.pipeline])
+    schedule = Schedule1F1B(pstage, n_microbatches=plan.pipelines[role.pipeline].micro_batches, loss_fn=_loss)
+    plain_params = list(module.parameters())
+    adamw = torch.optim.AdamW(plain_params, lr=train["lr"], betas=(train["beta1"], train["beta2"]),
+                              eps=train["eps"], weight_decay=train["weight_decay"])
+    block = micro_batch_ranges(plan)[role.pipeline]
+    plain_losses: list[float] = []
+
+    def plain_step(step: int) -> None:
+        ids = [i for m in block for i in micro_batch_samples(
+            step, m, global_batch=train["global_batch"], micro_batch_size=plan.micro_batch_size)]
+        tokens, targets = stream.batch(ids)
+        if first:
+            schedule.step(tokens)
+        elif last:
+            losses: list[torch.Tensor] = []
+            schedule.step(target=targets, losses=losses)
+            plain_losses.append(torch.stack(losses).mean().item())
+        else:
+            schedule.step()
+        flat = torch.cat([p.grad.reshape(-1) for p in plain_params])
+        if plan.dp > 1:
+            dist.all_reduce(flat, group=dp_groups[role.stage])
+            flat /= plan.dp
+        offset = 0
+        for p in plain_params:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        adamw.step()
+        adamw.zero_grad(set_to_none=True)
+
+    # Ours: the worker's data path over one Generation.
+    layout = layout_of(plan, param_shapes(model), partial(stage_param_names, model))
+    rounds = sync_rounds(layout)
+    gen = Generation(store, connect_store=partial(connect_store, HOST, store.port, timeout_s=TIMEOUT_S), generation=0,
+                     devices=plan.devices, me=rank, backend="gloo", timeout_s=TIMEOUT_S,
+                     groups=[g.devices for groups in rounds for g in groups])
+    state = StageState.create(model, role, seed=train["seed"], train=train, device=CPU)
+    actions = step_actions(plan)[rank]
+    ours_losses: list[float] = []
+
+    def ours_step(step: int) -> None:
+        result = run_step(step, plan=plan, actions=actions, state=state, stream=stream, gen=gen, model=model,
+                          train=train, rounds=rounds, tp=None)
+        if last:
+            ours_losses.append(result.loss_sum)
+        state.optimizer_step()
+
+    barrier = dist.barrier
+    impls = {"ours": ours_step, "plain": plain_step}
+    counters = dict.fromkeys(impls, 0)
+    times: dict[str, list[list[float]]] = {k: [] for k in impls}  # per block, per step
+    profiler = cProfile.Profile() if args.profile and rank == 0 else None
+    for _ in range(args.rounds):
+        for name, fn in impls.items():
+            times[name].append([])
+            for k in range(args.warmup + args.steps):
+                profiling = profiler is not None and name == "ours" and k >= args.warmup
+                if profiling:
+                    profiler.enable()
+                dt = timed(partial(fn, counters[name]), barrier)
+                if profiling:
+                    profiler.disable()
+                counters[name] += 1
+                if k >= args.warmup:
+                    times[name][-1].append(dt)
+    report = None
+    if profiler is not None:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
+        report = out.getvalue()
+    dist.destroy_process_group()
+    # Loss of step 0, as this pipeline's share of the global mean (ours sums scaled losses; plain averages).
+    share = plan.pipelines[role.pipeline].micro_batches / plan.n_micro_batches
+    loss0 = (ours_losses[0], plain_losses[0] * share) if last and stage.devices[0] == rank else (0.0, 0.0)
+    return {"times": times, "loss0": loss0, "profile": report}
+
+
+def _plan(layout: str, model: ModelConfig, train: dict) -> Plan:
+    dp, pp = map(int, layout.split("x"))
+    return even_plan(dp=dp, pp=pp, tp=1, n_layers=model.n_layers, global_batch=train["global_batch"],
+                     micro_batch=train["micro_batch"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", nargs="+", default=["2x2", "1x4"], help="DPxPP")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--n-layers", type=int, default=4)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2, help="A/B pairs")
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps at the start of every block")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per block")
+    parser.add_argument("--profile", action="store_true", help="cProfile ours on rank 0")
+    args = parser.parse_args()
+    model = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
+    train = dict(TRAIN, global_batch=args.global_batch, micro_batch=args.micro_batch, seq_len=args.seq_len)
+    header()
+    print(f"model: dim {model.dim}, {model.n_layers} layers, {model.n_heads} heads ({model.n_kv_heads} kv), vocab "
+          f"{model.vocab_size}; batch {args.global_batch}×{args.seq_len} tokens, micro-batch {args.micro_batch}; "
+          f"{args.rounds}× (ours, plain) blocks of {args.warmup}+{args.steps} steps")
+    print(f"{'layout':>7} {'procs':>5} {'mb/pipe':>7} {'ours ms':>8} {'plain ms':>9} {'ours/plain':>10}  {'per-block ours/plain ms':<24} step-0 loss ours | plain")
+    profiles = []
+    for layout in args.layouts:
+        plan = _plan(layout, model, train)
+        world = len(plan.devices)
+        results = launch(_worker, world, model, train, plan, args)
+        blocks = {k: [step_times([r["times"][k][b] for r in results]) for b in range(args.rounds)] for k in ("ours", "plain")}
+        ours, plain = (median_ms([t for block in blocks[k] for t in block]) for k in ("ours", "plain"))
+        spread = " ".join(f"{median_ms(a):.0f}/{median_ms(b):.0f}" for a, b in zip(blocks["ours"], blocks["plain"]))
+        loss_ours, loss_plain = (sum(r["loss0"][i] for r in results) for i in (0, 1))
+        print(f"{layout:>7} {world:>5} {plan.pipelines[0].micro_batches:>7} {ours:>8.1f} {plain:>9.1f} "
+              f"{ours / plain:>10.3f}  {spread:<24} {loss_ours:.5f} | {loss_plain:.5f}", flush=True)
+        profiles += [(layout, r["profile"]) for r in results if r["profile"]]
+    for layout, text in profiles:
+        print(f"\ncProfile of ours, rank 0, {layout} (measured steps):\n{text}")
+
+
+if __name__ == "__main__":
+    main()
