@@ -70,18 +70,36 @@ def _entry(target: Callable, rank: int, world: int, port: int, args: tuple, resu
         results.put((rank, False, traceback.format_exc()))
 
 
-def timed(fn: Callable[[], None], barrier: Callable[[], None]) -> float:
-    """Seconds ``fn`` takes on this rank, started right after a barrier so every rank starts together."""
+def timed(fn: Callable[[], None], barrier: Callable[[], None]) -> tuple[float, float]:
+    """Wall and CPU seconds (all threads) ``fn`` takes on this rank, started right after a barrier."""
     barrier()
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def step_times(per_rank: list[list[float]]) -> list[float]:
-    """Per step, the slowest rank's time (a step ends when its last rank is done)."""
-    return [max(ts) for ts in zip(*per_rank)]
+Timings = dict[str, list[list[tuple[float, float]]]]
+"""One rank's ``timed`` results: per implementation, per block, per step."""
 
 
-def median_ms(times: list[float]) -> float:
-    return 1e3 * statistics.median(times)
+def compare(per_rank: list[Timings], a: str, b: str) -> tuple[dict[str, float], dict[str, float], str]:
+    """Medians over all measured steps of ``a`` and ``b``: wall ms, CPU ms, and per-block wall ``a/b``.
+
+    A step's wall time is its slowest rank's (the step ends with it); its CPU time is
+    the sum over ranks.
+    """
+    wall: dict[str, list[list[float]]] = {}
+    cpu: dict[str, list[float]] = {}
+    for k in (a, b):
+        wall[k], cpu[k] = [], []
+        for i in range(len(per_rank[0][k])):
+            steps = list(zip(*(r[k][i] for r in per_rank)))
+            wall[k].append([max(w for w, _ in s) for s in steps])
+            cpu[k] += [sum(c for _, c in s) for s in steps]
+    blocks = " ".join(f"{_median_ms(x):.0f}/{_median_ms(y):.0f}" for x, y in zip(wall[a], wall[b]))
+    return ({k: _median_ms([t for block in wall[k] for t in block]) for k in (a, b)},
+            {k: _median_ms(cpu[k]) for k in (a, b)}, blocks)
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return 1e3 * statistics.median(seconds)

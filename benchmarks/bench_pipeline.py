@@ -1,6 +1,6 @@
 """Failure-free DP×PP step time: Chameleon's 1F1B runtime against plain ``torch.distributed.pipelining``.
 
-Run: ``python benchmarks/bench_pipeline.py [--layouts 2x2 1x4] [--rounds 2] [--steps 10]``.
+Run: ``python benchmarks/bench_pipeline.py [--layouts 2x2 1x4] [--rounds 4] [--steps 10] [--profile]``.
 
 Both run in the same gloo worker processes, on the same model (the functional Llama
 of ``chameleon.model.llama``), the same initial parameters and the same samples,
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from _common import HOST, TIMEOUT_S, header, launch, median_ms, step_times, timed
+from _common import HOST, TIMEOUT_S, Timings, compare, header, launch, timed
 from chameleon.data.stream import SampleStream, micro_batch_samples
 from chameleon.layout.colouring import sync_rounds
 from chameleon.layout.plan import Plan, even_plan, micro_batch_ranges
@@ -127,7 +127,7 @@ def _worker(rank: int, world: int, store, model: ModelConfig, train: dict, plan:
     barrier = dist.barrier
     impls = {"ours": ours_step, "plain": plain_step}
     counters = dict.fromkeys(impls, 0)
-    times: dict[str, list[list[float]]] = {k: [] for k in impls}  # per block, per step
+    times: Timings = {k: [] for k in impls}
     profiler = cProfile.Profile() if args.profile and rank == 0 else None
     for _ in range(args.rounds):
         for name, fn in impls.items():
@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2, help="A/B pairs")
+    parser.add_argument("--rounds", type=int, default=4, help="A/B pairs")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps at the start of every block")
     parser.add_argument("--steps", type=int, default=10, help="measured steps per block")
     parser.add_argument("--profile", action="store_true", help="cProfile ours on rank 0")
@@ -179,18 +179,19 @@ def main() -> None:
     print(f"model: dim {model.dim}, {model.n_layers} layers, {model.n_heads} heads ({model.n_kv_heads} kv), vocab "
           f"{model.vocab_size}; batch {args.global_batch}×{args.seq_len} tokens, micro-batch {args.micro_batch}; "
           f"{args.rounds}× (ours, plain) blocks of {args.warmup}+{args.steps} steps")
-    print(f"{'layout':>7} {'procs':>5} {'mb/pipe':>7} {'ours ms':>8} {'plain ms':>9} {'ours/plain':>10}  {'per-block ours/plain ms':<24} step-0 loss ours | plain")
+    print(f"{'layout':>7} {'procs':>5} {'mb/pipe':>7} {'ours ms':>8} {'plain ms':>9} {'ours/plain':>10} {'CPU ours/plain ms':>17} "
+          f"{'CPU ratio':>9}  {'per-block wall ours/plain ms':<28} step-0 loss ours | plain")
     profiles = []
     for layout in args.layouts:
         plan = _plan(layout, model, train)
         world = len(plan.devices)
         results = launch(_worker, world, model, train, plan, args)
-        blocks = {k: [step_times([r["times"][k][b] for r in results]) for b in range(args.rounds)] for k in ("ours", "plain")}
-        ours, plain = (median_ms([t for block in blocks[k] for t in block]) for k in ("ours", "plain"))
-        spread = " ".join(f"{median_ms(a):.0f}/{median_ms(b):.0f}" for a, b in zip(blocks["ours"], blocks["plain"]))
+        wall, cpu, blocks = compare([r["times"] for r in results], "ours", "plain")
         loss_ours, loss_plain = (sum(r["loss0"][i] for r in results) for i in (0, 1))
-        print(f"{layout:>7} {world:>5} {plan.pipelines[0].micro_batches:>7} {ours:>8.1f} {plain:>9.1f} "
-              f"{ours / plain:>10.3f}  {spread:<24} {loss_ours:.5f} | {loss_plain:.5f}", flush=True)
+        cpus = f"{cpu['ours']:.0f}/{cpu['plain']:.0f}"
+        print(f"{layout:>7} {world:>5} {plan.pipelines[0].micro_batches:>7} {wall['ours']:>8.1f} {wall['plain']:>9.1f} "
+              f"{wall['ours'] / wall['plain']:>10.3f} {cpus:>17} {cpu['ours'] / cpu['plain']:>9.3f}  {blocks:<28} "
+              f"{loss_ours:.5f} | {loss_plain:.5f}", flush=True)
         profiles += [(layout, r["profile"]) for r in results if r["profile"]]
     for layout, text in profiles:
         print(f"\ncProfile of ours, rank 0, {layout} (measured steps):\n{text}")

@@ -1,6 +1,6 @@
 """Gradient sync on uneven plans: the coloured, bucketed sync against one all-reduce per layer.
 
-Run: ``python benchmarks/bench_sync.py [--plans 3+4 2+3] [--dims 128 512] [--rounds 2] [--iters 10]``.
+Run: ``python benchmarks/bench_sync.py [--plans 3+4 2+3] [--dims 128 512] [--rounds 3] [--iters 10]``.
 
 ``3+4`` is two pipelines of 3 and 4 stages over 7 processes (layers split as
 ``split_layers`` does). Every worker holds its stage's parameters of the real model
@@ -25,7 +25,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from _common import HOST, TIMEOUT_S, header, launch, median_ms, step_times, timed
+from _common import HOST, TIMEOUT_S, Timings, compare, header, launch, timed
 from chameleon.layout.colouring import sync_groups, sync_rounds
 from chameleon.layout.plan import Plan, plan_from_spec, split_layers
 from chameleon.layout.spec import Layout, layout_of
@@ -82,7 +82,7 @@ def _worker(rank: int, world: int, store, model: ModelConfig, plan: Plan, args) 
         fn()
         results[name] = {n: p.grad.clone() for n, p in state.params.items()}
     same = all(torch.equal(results["coloured"][n], results["per layer"][n]) for n in state.params)
-    times: dict[str, list[list[float]]] = {k: [] for k in impls}
+    times: Timings = {k: [] for k in impls}
     for _ in range(args.rounds):
         for name, fn in impls.items():
             times[name].append([])
@@ -106,13 +106,13 @@ def main() -> None:
     parser.add_argument("--plans", nargs="+", default=["3+4", "2+3"], help="stage counts of the pipelines")
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--n-layers", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2, help="A/B pairs")
+    parser.add_argument("--rounds", type=int, default=3, help="A/B pairs")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=10, help="measured syncs per block")
     args = parser.parse_args()
     header()
     print(f"{'plan':>5} {'procs':>5} {'dim':>4} {'params':>7} {'max MB/dev':>10} {'buckets/rounds':>14} {'layer ARs':>9} "
-          f"{'coloured ms':>11} {'per-layer ms':>12} {'col/layer':>9}  per-block col/layer ms  same sums")
+          f"{'coloured ms':>11} {'per-layer ms':>12} {'col/layer':>9} {'CPU ratio':>9}  per-block col/layer ms  same sums")
     for spec in args.plans:
         lengths = [int(k) for k in spec.split("+")]
         plan = uneven_plan(lengths, args.n_layers)
@@ -123,14 +123,12 @@ def main() -> None:
             n_groups, n_rounds = len(sync_groups(layout)), len(sync_rounds(layout))
             n_units = sum(len(d) > 1 for d, _ in layer_units(layout))
             out = launch(_worker, world, model, plan, args)
-            blocks = {k: [step_times([r["times"][k][b] for r in out]) for b in range(args.rounds)]
-                      for k in ("coloured", "per layer")}
-            col, lay = (median_ms([t for block in blocks[k] for t in block]) for k in ("coloured", "per layer"))
-            spread = " ".join(f"{median_ms(a):.0f}/{median_ms(b):.0f}" for a, b in zip(blocks["coloured"], blocks["per layer"]))
+            wall, cpu, blocks = compare([r["times"] for r in out], "coloured", "per layer")
+            col, lay = wall["coloured"], wall["per layer"]
             mb = max(r["elems"] for r in out) * 4 / 2**20
             print(f"{spec:>5} {world:>5} {dim:>4} {param_count(model) / 1e6:>6.2f}M {mb:>10.1f} "
                   f"{f'{n_groups}/{n_rounds}':>14} {n_units:>9} {col:>11.1f} {lay:>12.1f} {col / lay:>9.3f}  "
-                  f"{spread:<22} {all(r['same'] for r in out)}", flush=True)
+                  f"{cpu['coloured'] / cpu['per layer']:>9.3f}  {blocks:<22} {all(r['same'] for r in out)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from chameleon.layout.plan import Plan, Stage
-from chameleon.layout.spec import Region, local_slices, placements_for, shard_region
+from chameleon.layout.spec import Region, placements_for, shard_region
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import init_params, stage_param_names
 
