@@ -28,16 +28,21 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import HOST, TIMEOUT_S, Timings, compare, header, launch, timed
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from _common import HOST, TIMEOUT_S, Timings, compare, header, launch, timed
 from chameleon.data.stream import SampleStream, micro_batch_samples
 from chameleon.layout.colouring import sync_rounds
 from chameleon.layout.plan import Plan, even_plan, micro_batch_ranges
 from chameleon.layout.spec import layout_of
 from chameleon.model.config import ModelConfig
-from chameleon.model.llama import init_params, param_shapes, stage_forward, stage_param_names
+from chameleon.model.llama import (
+    init_params,
+    param_shapes,
+    stage_forward,
+    stage_param_names,
+)
 from chameleon.runtime.comm import Generation, connect_store
 from chameleon.runtime.schedule import run_step, step_actions
 from chameleon.runtime.stage import StageState, role_of
@@ -124,7 +129,6 @@ def _worker(rank: int, world: int, store, model: ModelConfig, train: dict, plan:
             ours_losses.append(result.loss_sum)
         state.optimizer_step()
 
-    barrier = dist.barrier
     impls = {"ours": ours_step, "plain": plain_step}
     counters = dict.fromkeys(impls, 0)
     times: Timings = {k: [] for k in impls}
@@ -136,7 +140,7 @@ def _worker(rank: int, world: int, store, model: ModelConfig, train: dict, plan:
                 profiling = profiler is not None and name == "ours" and k >= args.warmup
                 if profiling:
                     profiler.enable()
-                dt = timed(partial(fn, counters[name]), barrier)
+                dt = timed(partial(fn, counters[name]), dist.barrier)
                 if profiling:
                     profiler.disable()
                 counters[name] += 1
@@ -179,8 +183,8 @@ def main() -> None:
     print(f"model: dim {model.dim}, {model.n_layers} layers, {model.n_heads} heads ({model.n_kv_heads} kv), vocab "
           f"{model.vocab_size}; batch {args.global_batch}×{args.seq_len} tokens, micro-batch {args.micro_batch}; "
           f"{args.rounds}× (ours, plain) blocks of {args.warmup}+{args.steps} steps")
-    print(f"{'layout':>7} {'procs':>5} {'mb/pipe':>7} {'ours ms':>8} {'plain ms':>9} {'ours/plain':>10} {'CPU ours/plain ms':>17} "
-          f"{'CPU ratio':>9}  {'per-block wall ours/plain ms':<28} step-0 loss ours | plain")
+    print(f"{'layout':>7} {'procs':>5} {'mb/pipe':>7} {'ours ms':>8} {'plain ms':>9} {'ours/plain':>10} "
+          f"{'CPU ours/plain ms':>17} {'CPU ratio':>9}  {'per-block wall ours/plain ms':<28} step-0 loss ours | plain")
     profiles = []
     for layout in args.layouts:
         plan = _plan(layout, model, train)

@@ -24,8 +24,8 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-
 from _common import HOST, TIMEOUT_S, Timings, compare, header, launch, timed
+
 from chameleon.layout.colouring import sync_groups, sync_rounds
 from chameleon.layout.plan import Plan, plan_from_spec, split_layers
 from chameleon.layout.spec import Layout, layout_of

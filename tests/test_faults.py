@@ -19,7 +19,7 @@ STEPS = 8
 # Six layers, so a 3-stage pipeline has a first, a middle and a last stage.
 MODEL = (
     f"train.steps={STEPS}", "model.dim=64", "model.n_layers=6", "train.global_batch=12", "train.micro_batch=2",
-    "train.seq_len=32", "ft.heartbeat_timeout_s=1.0", "ckpt=none",
+    "train.seq_len=32", "ft.heartbeat_timeout_s=1.0", "ckpt=none", "parallel=dp",
 )
 DP2_PP3 = ("launcher.nproc=6", "parallel.dp=2", "parallel.pp=3")  # devices: pipe0 = 0,1,2; pipe1 = 3,4,5
 

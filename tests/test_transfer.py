@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 from datetime import timedelta
 from functools import partial
@@ -81,8 +80,8 @@ def worker(rank: int, port: int, results, release) -> None:
 
 def run_rank(rank: int, port: int, release) -> tuple:
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=30), wait_for_workers=False)
     client = partial(dist.TCPStore, "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    store = client()
     gen = Generation(store, connect_store=client, generation=0, devices=range(WORLD), me=rank, backend="gloo", timeout_s=30)
     truth = originals()
     a_to_b, b_to_c, c_to_a, faulty = transitions()
@@ -126,9 +125,8 @@ def test_a_to_b_to_c_to_a_is_bit_exact_and_faults_abandon_fast():
     wq = "layers.0.attention.wq"
     wq_sources = [{m.src for m in c_to_a.moves if (m.dst, m.name) == (d, wq)} for d in range(WORLD)]
     assert any(len(srcs) > 1 for srcs in wq_sources), "C → A assembles a full tensor from TP shards"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    port = store.port  # hosted here, as the controller hosts it: it outlives every rank
     ctx = mp.get_context("spawn")
     results, release = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=worker, args=(r, port, results, release), daemon=True) for r in range(WORLD)]

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-POLL_INTERVAL_S = 0.001
+POLL_INTERVAL_S = 0.005  # fault-flag checks while waiting; completion itself wakes the wait at once
 ABANDONED: list[Generation] = []  # broken generations stay referenced: their destructors would block
 
 

@@ -17,6 +17,7 @@ resident, so a fault during recovery simply triggers another decision from it.
 from __future__ import annotations
 
 import multiprocessing as mp
+from concurrent.futures import Future, ThreadPoolExecutor
 import os
 import pickle
 import random
@@ -37,7 +38,7 @@ from chameleon.config import model_config
 from chameleon.data.stream import sample_ids_digest
 from chameleon.decision.config import ClusterConfig, PolicyConfig
 from chameleon.decision.estimator import estimate_step
-from chameleon.decision.planner import Planner
+from chameleon.decision.planner import Planner, precompute_single_faults
 from chameleon.decision.profiler import load_profile
 from chameleon.decision.selector import decide
 from chameleon.layout.plan import Plan
@@ -166,6 +167,9 @@ class Controller:
         self.checkpoint: tuple[int, float] | None = None  # (committed steps it holds, when that step committed)
         self.t0 = time.time()
         self.t_train: float | None = None
+        self.last_commit = 0.0
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chameleon-precompute")
+        self.precomputed: tuple[Plan, Future] | None = None
 
     # ----- lifecycle -------------------------------------------------------------------
 
@@ -195,6 +199,7 @@ class Controller:
             self._reap(grace_s=0.0)  # survivors wait for a generation that will never come
             raise
         finally:
+            self.pool.shutdown(cancel_futures=True)
             self.bar.close()
             self.metrics.close()
             self.events.close()
@@ -262,7 +267,10 @@ class Controller:
         self.store.set(start_key(self.generation), "1")
         self.started = True
         self.resident = self.spec.plan
+        if self.policy.precompute:  # the next single fault becomes a lookup (the planner runs meanwhile)
+            self.precomputed = (self.resident, self.pool.submit(precompute_single_faults, self.resident, self.planner))
         now = time.time()
+        self.last_commit = now
         if self.t_train is None:
             self.t_train = now
         if self.pending is not None:
@@ -280,18 +288,19 @@ class Controller:
             )
         self.store.set(commit_key(self.generation, step), "1")
         now = time.time()
+        dt = now - self.last_commit  # the whole step: compute, sync, commit, the previous optimizer step
+        self.last_commit = now
         self.committed = step
-        self.losses[step], self.step_times[step], self.step_ids[step] = book.loss, book.step_time_s, expected
+        self.losses[step], self.step_times[step], self.step_ids[step] = book.loss, dt, expected
         self.commit_times[step] = now
-        dt = book.step_time_s
         self.metrics.write({
             "step": step, "loss": book.loss, "samples_per_s": batch / dt, "tokens_per_s": batch * self.train["seq_len"] / dt,
-            "step_time_s": dt, "generation": self.generation, "time": now,
+            "step_time_s": dt, "compute_s": book.step_time_s, "generation": self.generation, "time": now,
         })
         self.bar.n = step + 1
         self.bar.set_postfix(loss=f"{book.loss:.4f}", gen=self.generation)
         if self.pending is not None:
-            self._close_recovery(now, dt)
+            self._close_recovery(now, book.step_time_s)
         self._arm_step_faults(step + 1)
 
     def _close_recovery(self, now: float, step_s: float) -> None:
@@ -356,8 +365,11 @@ class Controller:
             rec.cause += f"; then {cause} during recovery"
         self.pending = rec
         age = t_detect - self.checkpoint[1] if self.checkpoint else None
+        ahead = None
+        if self.precomputed is not None and self.precomputed[0] is self.resident and len(failed) == 1:
+            ahead = self.precomputed[1].result().get(next(iter(failed)))  # shares the planner: never concurrently
         decision = decide(
-            self.profile, self.resident, failed, policy=self.policy, planner=self.planner,
+            self.profile, self.resident, failed, policy=self.policy, planner=self.planner, precomputed=ahead,
             fault_times=self.fault_times, elapsed_s=t_detect - self.t0, checkpoint_age_s=age, in_process=True,
         )
         chosen = decision.chosen

@@ -166,7 +166,8 @@ def run_step(
             ids = micro_batch_samples(
                 step, first_micro[p] + i, global_batch=train["global_batch"], micro_batch_size=plan.micro_batch_size
             )
-            tokens, targets = (x.to(state.device) for x in stream.batch(ids))
+            if first or last:
+                tokens, targets = (x.to(state.device) for x in stream.batch(ids))
             if first:
                 x = tokens
             else:
