@@ -78,7 +78,7 @@ def test_same_seed_same_result_other_seed_differs():
     assert a[0]["chameleon"].samples != c[0]["chameleon"].samples
 
 
-@pytest.mark.parametrize("interval, winner, loser", [(60, "reroute", "dynamic"), (21600, "dynamic", "reroute")])
+@pytest.mark.parametrize("interval, winner, loser", [(20, "reroute", "dynamic"), (21600, "dynamic", "reroute")])
 def test_frequent_faults_favour_reroute_rare_ones_dynamic(interval, winner, loser):
     # Moving optimizer state is made 100× dearer (memory unbounded): the dynamic transition grows, sync does not.
     runs, *_ = run_all(

@@ -354,7 +354,19 @@ def checkpoint_time(profile: Profile, n_layers: int) -> float:
 
 
 def rebuild_time(profile: Profile, plan: Plan) -> float:
-    """Creating the new generation's groups: one per p2p pair, sync bucket and reroute edge."""
-    pairs = sum(p.n_stages - 1 for p in plan.pipelines) + 2 * sum(len(r.hosts) for r in plan.reroutes)
-    groups = pairs + sum(1 for b in sync_rounds(plan) if b[0] > 1)
-    return groups * profile.group_create_s
+    """Creating the new generation's groups, as the runtime does.
+
+    Every device joins the world group (point-to-point traffic uses it), then each
+    sync bucket and TP group it belongs to, one after another; devices with
+    disjoint groups connect at the same time. So the rebuild costs the busiest
+    stage's group count, not the total.
+    """
+    width = max(p.n_stages for p in plan.pipelines)
+    joined: dict[int, int] = {}
+    for size, _, holders in sync_rounds(plan):
+        if size > 1:
+            for stage in holders:
+                joined[stage] = joined.get(stage, 0) + 1
+    tp = {j * width + s: int(st.tp > 1) for j, p in enumerate(plan.pipelines) for s, st in enumerate(p.stages)}
+    busiest = max((joined.get(stage, 0) + extra for stage, extra in tp.items()), default=0)
+    return (1 + busiest) * profile.group_create_s
