@@ -8,7 +8,10 @@ trains for ``--steps`` steps with ``python -m chameleon.train`` (real worker
 processes, gloo) and its ``mean_step_time_s`` (steps after the first) is set
 beside ``estimate_step`` of the same composed plan. The last column is the
 1-minute load average after the run: the host's cores are shared with other
-users. Rerouted plans are not measured: the runtime does not execute reroutes yet.
+users. Rerouted plans are measured after a real fault: a worker is SIGKILLed in step
+2 under ``policy=reroute`` and the steady post-recovery step time (generation 1, its
+first step excluded) is set beside the estimate of the reroute plan, with Eq. 13's
+extra slots taken both ways (``max`` over stages and ``sum``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from chameleon.config import CONF_DIR, build_plan, model_config, register_config
 from chameleon.decision.config import ClusterConfig
 from chameleon.decision.estimator import estimate_step
 from chameleon.decision.profiler import load_profile
+from chameleon.decision.selector import reroute_plan
 
 # No injected fault; plans below start from plain DP over launcher.nproc workers (conf/parallel/dp.yaml).
 BASE = ("failure=none", "parallel=dp", "train.seq_len=64", "train.global_batch=16", "train.micro_batch=4")
@@ -47,23 +51,30 @@ PLANS = {
     "pp3+pp4": ("launcher.nproc=7", "parallel.pipelines=[{layers:[1,1,2],micro_batches:2},{layers:[1,1,1,1],micro_batches:2}]"),
     "dp2×tp2": ("launcher.nproc=4", "parallel.dp=2", "parallel.tp=2"),
 }
+# Rerouted plans: (the plan before the fault, the device killed in step 2).
+REROUTED = {
+    "dp2×pp2 rr": (("launcher.nproc=4", "parallel.dp=2", "parallel.pp=2"), 1),
+    "dp2×pp3 rr": (("launcher.nproc=6", "parallel.dp=2", "parallel.pp=3"), 4),
+}
 
 
 def measure(overrides: tuple[str, ...], run_dir: Path, steps: int) -> dict:
-    """Train with ``overrides`` in real worker processes; the run's summary.json."""
+    """Train with ``overrides`` in real worker processes; the run's summary.json (and metrics lines)."""
     cmd = [sys.executable, "-m", "chameleon.train", f"hydra.run.dir={run_dir}", "output.progress=false",
            "launcher.timeout_s=300", f"train.steps={steps}", *BASE, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    return json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["metrics"] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return summary
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
+    parser.add_argument("--plans", nargs="+", default=[*PLANS, *REROUTED], choices=[*PLANS, *REROUTED])
     parser.add_argument("--cache-dir", default=None, help="profile cache (default: a fresh temporary one)")
     args = parser.parse_args()
     register_configs()
@@ -81,14 +92,30 @@ def main() -> None:
               f"{profile.layer_bwd_s * 1e3:.2f} ms, head fwd {profile.last_fwd_s * 1e3:.2f} ms, "
               f"bwd {profile.last_bwd_s * 1e3:.2f} ms, p2p {profile.p2p_latency_s * 1e6:.0f} µs, "
               f"all-reduce {profile.dp_latency_s * 1e6:.0f} µs + {profile.dp_bw / 1e9:.2f} GB/s")
+        at_tp = lambda tp: load_profile(model, cluster, micro_batch=base.train.micro_batch,  # noqa: E731
+                                        seq_len=base.train.seq_len, tp=tp, threads=base.launcher.threads_per_worker)
         print(f"{'plan':<9} {'procs':>5} {'est. s':>8} {'meas. s':>8} {'error':>7} {'load':>5}  estimate parts")
         errors, shared = [], []
         for name in args.plans:
-            cfg = compose(config_name="config", overrides=[*BASE, *PLANS[name]])
+            overrides, killed = (REROUTED[name][0], REROUTED[name][1]) if name in REROUTED else (PLANS[name], None)
+            cfg = compose(config_name="config", overrides=[*BASE, *overrides])
             plan = build_plan(cfg)
-            est = estimate_step(profile, plan)
-            summary = measure(PLANS[name], Path(tmp) / name.replace("×", "x").replace("+", "_"), args.steps)
-            measured = summary["mean_step_time_s"]
+            run_dir = Path(tmp) / name.replace("×", "x").replace("+", "_").replace(" ", "_")
+            if killed is None:
+                est = estimate_step(at_tp(cfg.parallel.tp), plan)
+                summary = measure(overrides, run_dir, args.steps)
+                measured = summary["mean_step_time_s"]
+            else:
+                plan = reroute_plan(plan, {killed})
+                est = estimate_step(profile, plan, reroute_slots="max")
+                alt = estimate_step(profile, plan, reroute_slots="sum")
+                fault = ("failure=kill", f"failure.rank={killed}", "failure.step=2", "failure.phase=forward",
+                         "policy=reroute")
+                summary = measure((*overrides, *fault), run_dir, args.steps)
+                after = [m["step_time_s"] for m in summary["metrics"] if m["generation"] == 1][1:]
+                measured = statistics.mean(after)
+                print(f"  (Eq. 13 with sum over stages: {alt.t_step:.4f} s, "
+                      f"{100 * (alt.t_step - measured) / measured:+.1f}%)")
             errors.append(abs(est.t_step - measured) / measured)
             shared.append(est.cpu_share > 1)
             print(f"{name:<9} {cfg.launcher.nproc:>5} {est.t_step:>8.4f} {measured:>8.4f} "

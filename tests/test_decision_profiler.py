@@ -29,6 +29,13 @@ def test_measured_profile_is_real_and_cached(tmp_path):
     again = load_profile(model, replace(cluster, comm_procs=4), micro_batch=2, seq_len=16)
     assert again == prof  # served from the JSON cache, no new measurement
     assert len(list(tmp_path.glob("*.json"))) == 1
+    # A TP=2 stage: half the layer compute plus two all-reduces of the layer's activations each way.
+    tp2 = load_profile(model, cluster, micro_batch=2, seq_len=16, tp=2)
+    all_reduce = prof.dp_latency_s + (2 * 16 * 32 * 4) / prof.dp_bw  # 2(tp−1)/tp = 1 at tp = 2
+    assert tp2.tp == 2 and tp2.layer_fwd_s == pytest.approx(prof.layer_fwd_s / 2 + 2 * all_reduce)
+    assert tp2.layer_bwd_s == pytest.approx(prof.layer_bwd_s / 2 + 2 * all_reduce)
+    assert (tp2.first_fwd_s, tp2.last_bwd_s) == (prof.first_fwd_s, prof.last_bwd_s)  # replicated: whole
+    assert len(list(tmp_path.glob("*.json"))) == 1
 
 
 def test_analytic_llama7b_on_a100():

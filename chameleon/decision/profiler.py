@@ -18,7 +18,7 @@ import socket
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -107,14 +107,33 @@ def load_profile(
         raise ValueError(f"cluster.kind={cluster.kind!r}: use local or analytic")
     key = profile_key(model, micro_batch=micro_batch, seq_len=seq_len, tp=1, device=f"cpu{threads}t-{cluster.name}")
     path = Path(os.path.expanduser(cluster.cache_dir)) / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    if path.exists():
-        data = json.loads(path.read_text())
-        if data.get("key") == key:
-            return Profile(**data)
-    profile = measure_profile(model, cluster, micro_batch=micro_batch, seq_len=seq_len, key=key, threads=threads)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(profile.to_dict(), indent=1))
-    return profile
+    data = json.loads(path.read_text()) if path.exists() else {}
+    if data.get("key") == key:
+        profile = Profile(**data)
+    else:
+        profile = measure_profile(model, cluster, micro_batch=micro_batch, seq_len=seq_len, key=key, threads=threads)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(profile.to_dict(), indent=1))
+    return with_tensor_parallel(profile, tp) if tp > 1 else profile
+
+
+def with_tensor_parallel(profile: Profile, tp: int) -> Profile:
+    """A measured single-device profile turned into one of ``tp``-device stages (Megatron layout).
+
+    A transformer layer's compute splits ``tp`` ways, and each micro-batch adds
+    four all-reduces of the layer's activations over the TP group (after the
+    attention and MLP outputs forward, before their inputs backward). The
+    embedding and output head are replicated, so their costs stay whole.
+    """
+    all_reduce = profile.dp_latency_s + 2 * (tp - 1) / tp * profile.boundary_bytes / profile.dp_bw
+    return replace(
+        profile,
+        key=f"{profile.key}_tp{tp}",
+        tp=tp,
+        layer_fwd_s=profile.layer_fwd_s / tp + 2 * all_reduce,
+        layer_bwd_s=profile.layer_bwd_s / tp + 2 * all_reduce,
+        layer_act_bytes=profile.layer_act_bytes // tp,
+    )
 
 
 def _layer_params(model: ModelConfig) -> tuple[int, int, int]:

@@ -143,15 +143,22 @@ class Generation:
             self.call(work.wait)
 
     def send(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work:
-        return self.world.send([tensor], self.rank_of(device), tag)
+        return self._post(self.world.send, [tensor], self.rank_of(device), tag)
 
     def recv(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work:
-        return self.world.recv([tensor], self.rank_of(device), tag)
+        return self._post(self.world.recv, [tensor], self.rank_of(device), tag)
 
     def all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...] | None = None) -> None:
         """In-place sum over ``members`` (default: every device)."""
         group = self.world if members is None else self.group(members)
-        self.wait(group.allreduce([tensor]))
+        self.wait(self._post(group.allreduce, [tensor]))
+
+    def _post(self, op: Callable[..., dist.Work], *args) -> dist.Work:
+        """Issue an asynchronous op; a connection a dead peer closed fails it at once, as a peer failure."""
+        try:
+            return op(*args)
+        except RuntimeError as err:
+            raise PeerFailure(str(err)) from err
 
     def abandon(self) -> None:
         """Leave this generation for good: keep it referenced so no destructor blocks on dead peers."""
