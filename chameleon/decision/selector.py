@@ -246,15 +246,18 @@ def candidates(
             out.append(_finish("redundant", profile, to, {"migrate": migrate, "rebuild": est.rebuild_time(profile, to)}, **common))
         except PlanError as err:
             out.append(Candidate("redundant", False, str(err)))
-    out.append(_checkpoint(profile, plan, failed, planner, checkpoint_age_s, in_process=in_process, **common))
+    out.append(_checkpoint(profile, plan, failed, planner, checkpoint_age_s, precomputed=precomputed,
+                           in_process=in_process, **common))
     return out
 
 
-def _checkpoint(profile, plan, failed, planner, age_s, *, in_process, global_batch, d_s, slots) -> Candidate:
+def _checkpoint(profile, plan, failed, planner, age_s, *, precomputed, in_process, global_batch, d_s, slots) -> Candidate:
     if age_s is None:
         return Candidate("checkpoint", False, "no checkpoint exists")
     try:
-        target = planner.choose(stage_units(plan, failed), n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
+        target = precomputed or planner.choose(
+            stage_units(plan, failed), n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size
+        )
     except PlanError as err:
         return Candidate("checkpoint", False, str(err))
     restart = {"rebuild": est.rebuild_time(profile, target)} if in_process else {"restart": profile.restart_s}
