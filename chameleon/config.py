@@ -219,7 +219,10 @@ def _check_memory(cfg: DictConfig, plan: Plan) -> None:
     from chameleon.runtime.memory import device_memory_bytes, plan_memory_bytes
 
     need = plan_memory_bytes(model_config(cfg), plan, seq_len=cfg.train.seq_len)
-    per_device, total = device_memory_bytes(cfg.launcher)
+    try:
+        per_device, total = device_memory_bytes(cfg.launcher)
+    except RuntimeError as err:
+        raise ConfigError(str(err)) from None
     worst = max(need.values())
     if worst <= per_device and sum(need.values()) <= total:
         return

@@ -62,9 +62,11 @@ def test_outputs(reference_run):
         (("train.global_batch=10", "train.micro_batch=4"), "train.micro_batch"),
         (("launcher.nproc=2", "parallel.tp=2", "parallel.dp=1", "parallel.pp=1", "model.n_kv_heads=1"), "parallel.tp"),
         (("launcher.device=tpu",), "launcher.device"),
+        (("launcher.device=cuda",), "launcher.device=cuda"),  # this CPU machine has none
+        (("launcher.device=npu",), "torch_npu"),  # torch-npu is kept out of the test environment
         (("+recipe=llama7b",), "GiB"),
     ],
-    ids=["world", "pp>layers", "batch", "tp", "device", "memory"],
+    ids=["world", "pp>layers", "batch", "tp", "device", "no-cuda", "no-npu", "memory"],
 )
 def test_bad_config_fails_fast_with_one_line(tmp_path, overrides, key):
     run = run_entry("train", tmp_path / "run", *overrides, timeout=60)

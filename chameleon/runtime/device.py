@@ -5,6 +5,21 @@ from __future__ import annotations
 import torch
 
 
+def import_torch_npu() -> None:
+    """Import torch_npu (it registers the ``npu`` device and hccl) only when an NPU is asked for.
+
+    Raises:
+        RuntimeError: naming ``launcher.device`` and the install when torch_npu or CANN is missing.
+    """
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError(
+            f"launcher.device=npu needs torch_npu matching torch {torch.__version__} and the Ascend CANN "
+            f"toolkit (pip install 'chameleon[npu]'): {err}"
+        ) from err
+
+
 def prepare_device(kind: str, *, local_rank: int) -> torch.device:
     """Bind this worker to its device; torch_npu is imported only when ``kind == "npu"``.
 
@@ -20,13 +35,7 @@ def prepare_device(kind: str, *, local_rank: int) -> torch.device:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     if kind == "npu":
-        try:
-            import torch_npu  # noqa: F401 - registers the npu device and hccl
-        except ImportError as err:
-            raise RuntimeError(
-                f"launcher.device=npu needs torch_npu matching torch {torch.__version__} and the Ascend CANN "
-                f"toolkit (pip install 'chameleon[npu]'): {err}"
-            ) from err
+        import_torch_npu()
         index = local_rank % torch.npu.device_count()
         torch.npu.set_device(index)
         return torch.device("npu", index)

@@ -8,6 +8,7 @@ import os
 from chameleon.layout.plan import Plan
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import param_shapes, stage_param_names
+from chameleon.runtime.device import import_torch_npu
 
 # fp32 parameter + gradient + AdamW exp_avg + exp_avg_sq.
 STATE_BYTES_PER_PARAM = 16
@@ -56,5 +57,10 @@ def device_memory_bytes(launcher) -> tuple[int, int]:
         return host, host
     import torch
 
-    per = torch.cuda.get_device_properties(0).total_memory if launcher.device == "cuda" else 64 * 2**30
+    if launcher.device == "npu":
+        import_torch_npu()
+    elif not torch.cuda.is_available():
+        raise RuntimeError("launcher.device=cuda but no CUDA device is visible: use launcher.device=cpu")
+    backend = torch.cuda if launcher.device == "cuda" else torch.npu
+    per = backend.get_device_properties(0).total_memory
     return per, per * launcher.nproc
