@@ -3,12 +3,13 @@
 Run: ``python benchmarks/paper_evaluation.py [--out docs]``. For each Oobleck removal interval
 (6 h, 3 h, 1 h, 30 min, 10 min; 15 removals of one card, horizon 16 intervals) every policy runs
 on the same trace: Llama-2-7B (``+recipe=llama7b``: 4 pipelines × 8 stages, 256 × 4096-token
-sequences per step) on ``cluster=ascend910b_32``. Equivalent sweep through the CLI::
+sequences per step) on ``cluster=ascend910b_32``. One interval through the CLI, e.g. 30 minutes::
 
-    python -m chameleon.simulate --multirun +recipe=llama7b cluster=ascend910b_32 trace=oobleck \\
-        trace.interval_s=21600,10800,3600,1800,600 'sim.horizon_h=${eval:16*${trace.interval_s}/3600}'
+    python -m chameleon.simulate +recipe=llama7b cluster=ascend910b_32 trace=oobleck \\
+        trace.interval_s=1800 sim.horizon_h=8
 
-(Hydra has no ``eval`` resolver; this script computes the horizon per interval instead.)
+(the horizon is 16 intervals, which a ``--multirun`` over ``trace.interval_s`` cannot derive by
+itself, so this script sets it per interval).
 """
 
 from __future__ import annotations
