@@ -199,12 +199,6 @@ def _fill(profile: Profile, cap: list[int]) -> Split:
     return make_split(profile, layers)
 
 
-def best_split(profile: Profile, length: int) -> Split | None:
-    """Min–max (compute bottleneck) layer split into ``length`` stages that fits in memory, or None."""
-    front = pareto_splits(profile, length)
-    return front[0] if front else None
-
-
 def min_step(splits: list[tuple[Split, int]], n_micro: int) -> float | None:
     """Water-filling: the smallest τ at which ``count`` pipelines of each split cover ``n_micro``."""
     if sum(c for _, c in splits) > n_micro:

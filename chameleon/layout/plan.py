@@ -95,15 +95,6 @@ class Plan:
         """Every device the plan uses, in pipeline-then-stage order."""
         return tuple(d for p in self.pipelines for d in p.devices)
 
-    def is_even(self) -> bool:
-        """True when every pipeline has the same stages (layer ranges and TP) and share."""
-        first = self.pipelines[0]
-        shape = [(s.layers, s.tp) for s in first.stages]
-        return not self.reroutes and all(
-            [(s.layers, s.tp) for s in p.stages] == shape and p.micro_batches == first.micro_batches
-            for p in self.pipelines
-        )
-
     def describe(self) -> str:
         """One line per pipeline, e.g. ``pipe0 [0:2|2:4] tp1 ×4mb on 0,1``."""
         lines = []

@@ -16,7 +16,6 @@ kinds of traffic can never mismatch them.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -118,12 +117,10 @@ def message_tag(pipeline: int, sender_stage: int, backward: bool) -> int:
 
 @dataclass
 class StepResult:
-    """What one device contributes to a step: summed loss, trained samples (last stages), phase times."""
+    """What one device contributes to a step: summed loss and the samples it trained (last stages)."""
 
     loss_sum: float = 0.0
     sample_ids: list[int] = field(default_factory=list)
-    compute_s: float = 0.0
-    sync_s: float = 0.0
 
 
 def run_step(
@@ -154,7 +151,6 @@ def run_step(
     result = StepResult()
     saved: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     sends = []
-    started = time.perf_counter()
     for action in actions:
         p, s, i = action.pipeline, action.stage, action.micro
         pipe = plan.pipelines[p]
@@ -198,12 +194,9 @@ def run_step(
             if not first:
                 sends.append(gen.send(x.grad.contiguous(), executors(plan, p, s - 1, i)[t], tag=message_tag(p, s, True)))
     gen.wait(*sends)
-    synced = time.perf_counter()
-    result.compute_s = synced - started
     if on_phase is not None:
         on_phase(step, "sync")
     sync_gradients(rounds, state=state, gen=gen)
-    result.sync_s = time.perf_counter() - synced
     return result
 
 
