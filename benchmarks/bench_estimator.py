@@ -38,23 +38,23 @@ from chameleon.decision.estimator import estimate_step
 from chameleon.decision.profiler import load_profile
 from chameleon.decision.selector import reroute_plan
 
-# No injected fault; plans below start from plain DP over launcher.nproc workers (conf/parallel/dp.yaml).
+# No injected fault; plans below start from plain DP over launcher.nproc_per_node workers (conf/parallel/dp.yaml).
 BASE = ("failure=none", "parallel=dp", "train.seq_len=64", "train.global_batch=16", "train.micro_batch=4")
 PLANS = {
-    "dp1": ("launcher.nproc=1",),
-    "dp2": ("launcher.nproc=2",),
-    "pp2": ("launcher.nproc=2", "parallel.dp=1", "parallel.pp=2"),
-    "dp4": ("launcher.nproc=4", "parallel.dp=4"),
-    "dp2×pp2": ("launcher.nproc=4", "parallel.dp=2", "parallel.pp=2"),
-    "pp4": ("launcher.nproc=4", "parallel.dp=1", "parallel.pp=4"),
-    "pp2+pp3": ("launcher.nproc=5", "parallel.pipelines=[{layers:[2,2],micro_batches:2},{layers:[1,1,2],micro_batches:2}]"),
-    "pp3+pp4": ("launcher.nproc=7", "parallel.pipelines=[{layers:[1,1,2],micro_batches:2},{layers:[1,1,1,1],micro_batches:2}]"),
-    "dp2×tp2": ("launcher.nproc=4", "parallel.dp=2", "parallel.tp=2"),
+    "dp1": ("launcher.nproc_per_node=1",),
+    "dp2": ("launcher.nproc_per_node=2",),
+    "pp2": ("launcher.nproc_per_node=2", "parallel.dp=1", "parallel.pp=2"),
+    "dp4": ("launcher.nproc_per_node=4", "parallel.dp=4"),
+    "dp2×pp2": ("launcher.nproc_per_node=4", "parallel.dp=2", "parallel.pp=2"),
+    "pp4": ("launcher.nproc_per_node=4", "parallel.dp=1", "parallel.pp=4"),
+    "pp2+pp3": ("launcher.nproc_per_node=5", "parallel.pipelines=[{layers:[2,2],micro_batches:2},{layers:[1,1,2],micro_batches:2}]"),
+    "pp3+pp4": ("launcher.nproc_per_node=7", "parallel.pipelines=[{layers:[1,1,2],micro_batches:2},{layers:[1,1,1,1],micro_batches:2}]"),
+    "dp2×tp2": ("launcher.nproc_per_node=4", "parallel.dp=2", "parallel.tp=2"),
 }
 # Rerouted plans: (the plan before the fault, the device killed in step 2).
 REROUTED = {
-    "dp2×pp2 rr": (("launcher.nproc=4", "parallel.dp=2", "parallel.pp=2"), 1),
-    "dp2×pp3 rr": (("launcher.nproc=6", "parallel.dp=2", "parallel.pp=3"), 4),
+    "dp2×pp2 rr": (("launcher.nproc_per_node=4", "parallel.dp=2", "parallel.pp=2"), 1),
+    "dp2×pp3 rr": (("launcher.nproc_per_node=6", "parallel.dp=2", "parallel.pp=3"), 4),
 }
 
 
@@ -118,7 +118,7 @@ def main() -> None:
                       f"{100 * (alt.t_step - measured) / measured:+.1f}%)")
             errors.append(abs(est.t_step - measured) / measured)
             shared.append(est.cpu_share > 1)
-            print(f"{name:<9} {cfg.launcher.nproc:>5} {est.t_step:>8.4f} {measured:>8.4f} "
+            print(f"{name:<9} {cfg.launcher.nproc_per_node:>5} {est.t_step:>8.4f} {measured:>8.4f} "
                   f"{100 * (est.t_step - measured) / measured:>+6.1f}% {os.getloadavg()[0]:>5.2f}  "
                   f"1F1B {est.shared_compute or est.compute:.4f} (alone {est.compute:.4f}) + {est.cpu_share:g} × "
                   f"(sync {est.sync:.4f} in {est.sync_rounds} rounds + optimizer {est.optimizer:.4f})", flush=True)

@@ -36,7 +36,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def layout(workers: int) -> list[str]:
     pp = workers // 2
-    return [f"launcher.nproc={workers}", "parallel.dp=2", f"parallel.pp={pp}", f"model.n_layers={max(4, 2 * pp)}"]
+    return [f"launcher.nproc_per_node={workers}", "parallel.dp=2", f"parallel.pp={pp}", f"model.n_layers={max(4, 2 * pp)}"]
 
 
 def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:

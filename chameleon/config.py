@@ -68,7 +68,8 @@ class ParallelConfig:
 
 @dataclass
 class LauncherConfig:
-    nproc: int = 1
+    nnodes: int = 1
+    nproc_per_node: int = 1  # workers (devices) per node; the world is nnodes · nproc_per_node
     device: str = "cpu"  # cpu (gloo) | cuda (nccl) | npu (hccl)
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 picks a free port
@@ -118,7 +119,8 @@ class Config:
 
 
 def register_configs() -> None:
-    """Register the schema and every ``recipes/*.yaml`` (as group ``recipe``) with Hydra."""
+    """Register the schema, every ``recipes/*.yaml`` (as group ``recipe``) and the ``world_size`` resolver."""
+    OmegaConf.register_new_resolver("world_size", lambda nnodes, per_node: nnodes * per_node, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Config)
     for path in sorted(RECIPES_DIR.glob("*.yaml")):
@@ -128,6 +130,23 @@ def register_configs() -> None:
 def to_container(cfg: DictConfig) -> dict:
     """A plain, resolved dict of the config (picklable; what workers receive)."""
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+def world_size(launcher: DictConfig | dict) -> int:
+    """Devices of the whole job: ``launcher.nnodes · launcher.nproc_per_node``."""
+    return launcher["nnodes"] * launcher["nproc_per_node"]
+
+
+def _world_text(launcher) -> str:
+    if launcher.nnodes == 1:
+        return f"launcher.nproc_per_node={launcher.nproc_per_node}"
+    return f"launcher.nnodes·nproc_per_node = {launcher.nnodes}·{launcher.nproc_per_node} = {world_size(launcher)}"
+
+
+def _world_fix(launcher, devices: int) -> str:
+    if launcher.nnodes == 1 or devices % launcher.nnodes:
+        return f"launcher.nproc_per_node={devices}" + (" launcher.nnodes=1" if launcher.nnodes > 1 else "")
+    return f"launcher.nproc_per_node={devices // launcher.nnodes}"
 
 
 def model_config(cfg: DictConfig | dict) -> ModelConfig:
@@ -168,7 +187,9 @@ def validate(cfg: DictConfig) -> Plan:
     """
     model, train, par, launcher = cfg.model, cfg.train, cfg.parallel, cfg.launcher
     _check(launcher.device in ("cpu", "cuda", "npu"), f"launcher.device={launcher.device!r}: use cpu, cuda or npu")
-    _check(launcher.nproc >= 1, f"launcher.nproc={launcher.nproc}: need at least one worker")
+    _check(launcher.nnodes >= 1, f"launcher.nnodes={launcher.nnodes}: need at least one node")
+    _check(launcher.nproc_per_node >= 1, f"launcher.nproc_per_node={launcher.nproc_per_node}: need at least one worker")
+    n_devices = world_size(launcher)
     for key in ("steps", "global_batch", "micro_batch", "seq_len"):
         _check(train[key] >= 1, f"train.{key}={train[key]}: must be ≥ 1")
     _check(train.lr > 0, f"train.lr={train.lr}: must be > 0")
@@ -187,20 +208,20 @@ def validate(cfg: DictConfig) -> Plan:
     if not par.pipelines:
         world = par.dp * par.pp * par.tp
         _check(
-            world == launcher.nproc,
-            f"parallel.dp·pp·tp = {par.dp}·{par.pp}·{par.tp} = {world} but launcher.nproc={launcher.nproc}: "
-            f"set launcher.nproc={world} or change the layout",
+            world == n_devices,
+            f"parallel.dp·pp·tp = {par.dp}·{par.pp}·{par.tp} = {world} but {_world_text(launcher)}: "
+            f"set {_world_fix(launcher, world)} or change the layout (parallel=dp for plain data parallelism)",
         )
         _check(par.pp <= model.n_layers, f"parallel.pp={par.pp} exceeds model.n_layers={model.n_layers}: use at most one stage per layer")
     plan = build_plan(cfg)
     _check(
-        len(plan.devices) == launcher.nproc,
-        f"parallel.pipelines use {len(plan.devices)} devices but launcher.nproc={launcher.nproc}: "
-        f"set launcher.nproc={len(plan.devices)}",
+        len(plan.devices) == n_devices,
+        f"parallel.pipelines use {len(plan.devices)} devices but {_world_text(launcher)}: "
+        f"set {_world_fix(launcher, len(plan.devices))}",
     )
     _check_memory(cfg, plan)
     try:
-        planned_faults(OmegaConf.to_container(cfg.failure, resolve=True), world=launcher.nproc)
+        planned_faults(OmegaConf.to_container(cfg.failure, resolve=True), world=n_devices)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _check(cfg.ft.heartbeat_timeout_s > 0, f"ft.heartbeat_timeout_s={cfg.ft.heartbeat_timeout_s}: must be > 0")

@@ -1,7 +1,7 @@
 """``python -m chameleon.train [+recipe=NAME] [key=value ...]``: train, with faults survived.
 
 The calling process is the controller; it composes the config once, pins one run
-directory, and starts ``launcher.nproc`` worker processes. The last line printed is
+directory, and starts ``launcher.nproc_per_node`` worker processes per node. The last line printed is
 the path of ``summary.json``.
 """
 

@@ -60,7 +60,7 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory) -> Run:
     """The single-process reference every multi-worker run is compared with."""
-    run = run_entry("train", tmp_path_factory.mktemp("ref") / "run", *SMALL_RUN, "launcher.nproc=1")
+    run = run_entry("train", tmp_path_factory.mktemp("ref") / "run", *SMALL_RUN, "launcher.nproc_per_node=1")
     assert run.returncode == 0, run.stderr
     return run
 

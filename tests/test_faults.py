@@ -21,7 +21,7 @@ MODEL = (
     f"train.steps={STEPS}", "model.dim=64", "model.n_layers=6", "train.global_batch=12", "train.micro_batch=2",
     "train.seq_len=32", "ft.heartbeat_timeout_s=1.0", "ckpt=none", "parallel=dp",
 )
-DP2_PP3 = ("launcher.nproc=6", "parallel.dp=2", "parallel.pp=3")  # devices: pipe0 = 0,1,2; pipe1 = 3,4,5
+DP2_PP3 = ("launcher.nproc_per_node=6", "parallel.dp=2", "parallel.pp=3")  # devices: pipe0 = 0,1,2; pipe1 = 3,4,5
 
 
 def fail_at(*faults: tuple[int, int, str]) -> tuple[str, ...]:
@@ -32,7 +32,7 @@ def fail_at(*faults: tuple[int, int, str]) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    run = run_entry("train", tmp_path_factory.mktemp("ref") / "run", *MODEL, "launcher.nproc=1", "failure=none")
+    run = run_entry("train", tmp_path_factory.mktemp("ref") / "run", *MODEL, "launcher.nproc_per_node=1", "failure=none")
     assert run.returncode == 0, run.stderr
     return run
 
@@ -105,7 +105,7 @@ def test_every_replica_of_a_stage_lost_falls_back_to_the_checkpoint(tmp_path, re
 
 def test_tensor_parallel_stage_lost(tmp_path, reference):
     run = run_entry(
-        "train", tmp_path / "run", *MODEL, "launcher.nproc=4", "parallel.dp=2", "parallel.tp=2",
+        "train", tmp_path / "run", *MODEL, "launcher.nproc_per_node=4", "parallel.dp=2", "parallel.tp=2",
         "model.n_kv_heads=2", *fail_at((3, 3, "backward")),
     )
     got = assert_nothing_lost(run, reference)
@@ -113,7 +113,7 @@ def test_tensor_parallel_stage_lost(tmp_path, reference):
 
 
 def test_without_replica_or_checkpoint_the_run_stops_clearly(tmp_path):
-    run = run_entry("train", tmp_path / "run", *MODEL, "launcher.nproc=2", "parallel.dp=1", "parallel.pp=2",
+    run = run_entry("train", tmp_path / "run", *MODEL, "launcher.nproc_per_node=2", "parallel.dp=1", "parallel.pp=2",
                     *fail_at((1, 2, "forward")))
     assert run.returncode == 1
     assert "no recovery is possible" in run.stderr and "no checkpoint exists" in run.stderr

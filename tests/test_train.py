@@ -22,14 +22,14 @@ TOLERANCE = 1e-5  # relative, fp32: only floating-point reassociation differs be
 @pytest.mark.parametrize(
     "layout",
     [
-        ("launcher.nproc=2",),
-        ("launcher.nproc=4",),
-        ("launcher.nproc=4", "parallel.dp=2", "parallel.pp=2"),
-        ("launcher.nproc=4", "parallel.dp=1", "parallel.pp=4"),
-        ("launcher.nproc=4", "parallel.dp=2", "parallel.tp=2"),
-        ("launcher.nproc=4", "parallel.dp=1", "parallel.pp=2", "parallel.tp=2"),
-        ("launcher.nproc=7", "parallel.pipelines=[{layers:[1,2,1],micro_batches:2},{layers:[1,1,1,1],micro_batches:2}]"),
-        ("launcher.nproc=5", "parallel.pipelines=[{layers:[2,2],micro_batches:1},{layers:[1,1,2],micro_batches:3}]"),
+        ("launcher.nproc_per_node=2",),
+        ("launcher.nproc_per_node=4",),
+        ("launcher.nproc_per_node=4", "parallel.dp=2", "parallel.pp=2"),
+        ("launcher.nproc_per_node=4", "parallel.dp=1", "parallel.pp=4"),
+        ("launcher.nproc_per_node=4", "parallel.dp=2", "parallel.tp=2"),
+        ("launcher.nproc_per_node=4", "parallel.dp=1", "parallel.pp=2", "parallel.tp=2"),
+        ("launcher.nproc_per_node=7", "parallel.pipelines=[{layers:[1,2,1],micro_batches:2},{layers:[1,1,1,1],micro_batches:2}]"),
+        ("launcher.nproc_per_node=5", "parallel.pipelines=[{layers:[2,2],micro_batches:1},{layers:[1,1,2],micro_batches:3}]"),
     ],
     ids=["dp2", "dp4", "dp2xpp2", "pp4", "dp2xtp2", "pp2xtp2", "uneven3+4", "uneven2+3"],
 )
@@ -58,10 +58,10 @@ def test_outputs(reference_run):
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
-        (("launcher.nproc=3", "parallel.dp=2"), "launcher.nproc"),
-        (("launcher.nproc=8", "parallel.dp=1", "parallel.pp=8", "model.n_layers=4"), "parallel.pp"),
+        (("launcher.nproc_per_node=3", "parallel.dp=2"), "launcher.nproc_per_node"),
+        (("launcher.nproc_per_node=8", "parallel.dp=1", "parallel.pp=8", "model.n_layers=4"), "parallel.pp"),
         (("train.global_batch=10", "train.micro_batch=4"), "train.micro_batch"),
-        (("launcher.nproc=2", "parallel.tp=2", "parallel.dp=1", "parallel.pp=1", "model.n_kv_heads=1"), "parallel.tp"),
+        (("launcher.nproc_per_node=2", "parallel.tp=2", "parallel.dp=1", "parallel.pp=1", "model.n_kv_heads=1"), "parallel.tp"),
         (("launcher.device=tpu",), "launcher.device"),
         pytest.param(("launcher.device=cuda",), "launcher.device=cuda",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
@@ -89,14 +89,14 @@ def test_recipes_compose_real_shapes_without_allocating(recipe, n_params):
     params = init_params(model, 0, device="meta")
     assert all(t.is_meta for t in params.values())
     assert sum(math.prod(t.shape) for t in params.values()) == n_params
-    assert cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.tp == cfg.launcher.nproc
+    assert cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.tp == cfg.launcher.nnodes * cfg.launcher.nproc_per_node
 
 
 def test_multirun_writes_one_dir_per_job(tmp_path):
     sweep = tmp_path / "sweep"
     cmd = [
         sys.executable, "-m", "chameleon.train", "--multirun", f"hydra.sweep.dir={sweep}", "output.progress=false",
-        "launcher.nproc=1", *SMALL_RUN[1:], "train.steps=2", "train.lr=0.001,0.002",
+        "launcher.nproc_per_node=1", *SMALL_RUN[1:], "train.steps=2", "train.lr=0.001,0.002",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ENV, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from chameleon.config import model_config
+from chameleon.config import model_config, world_size
 from chameleon.data.stream import sample_ids_digest
 from chameleon.decision.config import ClusterConfig, PolicyConfig
 from chameleon.decision.estimator import estimate_step
@@ -121,7 +121,7 @@ class Controller:
         self.model = model_config(config)
         self.shapes = param_shapes(self.model)
         self.stage_names = partial(stage_param_names, self.model)
-        self.world = self.launcher["nproc"]
+        self.world = world_size(self.launcher)
         self.faults = planned_faults(config["failure"], world=self.world)
         self.rng = random.Random(config["failure"]["seed"])
         self.policy = PolicyConfig(**config["policy"])

@@ -44,17 +44,17 @@ def plan_memory_bytes(cfg: ModelConfig, plan: Plan, *, seq_len: int) -> dict[int
 
 
 def device_memory_bytes(launcher) -> tuple[int, int]:
-    """(bytes one device offers, bytes all ``launcher.nproc`` devices offer together).
+    """(bytes one device offers, bytes all ``nnodes · nproc_per_node`` devices offer together).
 
-    CPU workers share the host's RAM; accelerators each have their own memory.
+    CPU workers share their host's RAM; accelerators each have their own memory.
     ``launcher.memory_per_device_gb`` overrides what is detected.
     """
     if launcher.memory_per_device_gb:
         per = int(launcher.memory_per_device_gb * 2**30)
-        return per, per * launcher.nproc
+        return per, per * launcher.nnodes * launcher.nproc_per_node
     if launcher.device == "cpu":
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return host, host
+        return host, host * launcher.nnodes
     import torch
 
     if launcher.device == "npu":
@@ -63,4 +63,4 @@ def device_memory_bytes(launcher) -> tuple[int, int]:
         raise RuntimeError("launcher.device=cuda but no CUDA device is visible: use launcher.device=cpu")
     backend = torch.cuda if launcher.device == "cuda" else torch.npu
     per = backend.get_device_properties(0).total_memory
-    return per, per * launcher.nproc
+    return per, per * launcher.nnodes * launcher.nproc_per_node

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from chameleon.config import model_config
+from chameleon.config import model_config, world_size
 from chameleon.data.stream import SampleStream
 from chameleon.layout.colouring import sync_rounds
 from chameleon.layout.plan import Plan
@@ -121,7 +121,7 @@ def _run(spec: WorkerSpec, link: _Link) -> None:
     rendezvous = partial(connect_store, spec.store_host, spec.store_port, timeout_s=launcher["timeout_s"])
     store = rendezvous()
     stream = SampleStream.from_config(path=cfg["data"]["path"], seq_len=train["seq_len"], seed=train["seed"])
-    faults = worker_side(planned_faults(cfg["failure"], world=launcher["nproc"]), spec.device)
+    faults = worker_side(planned_faults(cfg["failure"], world=world_size(launcher)), spec.device)
     inject = SelfKill(faults, announce=partial(link.send, "dying"))
     threading.Thread(target=link.heartbeat_forever, name="heartbeat", daemon=True).start()
     generation, state = 0, None
