@@ -7,6 +7,7 @@ the model fits in memory — and raises :class:`ConfigError` naming the key and 
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,19 +69,32 @@ class ParallelConfig:
 
 @dataclass
 class LauncherConfig:
-    nnodes: int = 1
+    # Nodes and where they meet (null: from SLURM_NNODES, NODE_RANK/SLURM_NODEID, MASTER_ADDR, MASTER_PORT,
+    # else one node on 127.0.0.1 with a free port); chameleon/runtime/launch.py resolves them.
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None  # the c10d store; 0 picks a free port (one node only)
+    control_port: int | None = None  # where node agents reach the controller; null: master_port + 1
+    node_addr: str | None = None  # this node's address for process groups; null: the route to master_addr
+    join_timeout_s: float = 120.0  # how long the controller waits for nodes, and an agent for the controller
     nproc_per_node: int = 1  # workers (devices) per node; the world is nnodes · nproc_per_node
     device: str = "cpu"  # cpu (gloo) | cuda (nccl) | npu (hccl)
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0  # 0 picks a free port
-    timeout_s: float = 60.0
+    timeout_s: float = 60.0  # backend and store timeouts; a worker's bound on silence from the controller
     threads_per_worker: int = 1
     memory_per_device_gb: float | None = None  # None: this host's RAM (cpu) or the device's memory
 
 
 @dataclass
 class FaultToleranceConfig:
-    heartbeat_timeout_s: float = 2.0  # a worker silent this long is declared hung and fenced (SIGKILL)
+    # A worker whose heartbeat stops this long is hung and fenced (SIGKILL); a node whose agent misses
+    # its lease this long is lost (the agent fences its own workers after twice as long).
+    heartbeat_timeout_s: float = 2.0
+    # Progress watchdog: when no step commits for stall_timeout_s (null: max(stall_min_s, stall_factor ×
+    # the expected step time)), devices stuck on their own are fenced; if none is, the run stops naming them.
+    stall_timeout_s: float | None = None
+    stall_min_s: float = 10.0
+    stall_factor: float = 20.0
     # recover: survive faults in place. exit: like torchrun, stop every worker and exit 3 so an outer
     # scheduler relaunches the job (with ckpt.resume) — the restart path Chameleon is measured against.
     on_fault: str = "recover"
@@ -120,7 +134,7 @@ class Config:
 
 def register_configs() -> None:
     """Register the schema, every ``recipes/*.yaml`` (as group ``recipe``) and the ``world_size`` resolver."""
-    OmegaConf.register_new_resolver("world_size", lambda nnodes, per_node: nnodes * per_node, replace=True)
+    OmegaConf.register_new_resolver("world_size", lambda nnodes, per_node: (nnodes or 1) * per_node, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Config)
     for path in sorted(RECIPES_DIR.glob("*.yaml")):
@@ -133,8 +147,8 @@ def to_container(cfg: DictConfig) -> dict:
 
 
 def world_size(launcher: DictConfig | dict) -> int:
-    """Devices of the whole job: ``launcher.nnodes · launcher.nproc_per_node``."""
-    return launcher["nnodes"] * launcher["nproc_per_node"]
+    """Devices of the whole job: ``launcher.nnodes · launcher.nproc_per_node`` (one node when unresolved)."""
+    return (launcher["nnodes"] or 1) * launcher["nproc_per_node"]
 
 
 def _world_text(launcher) -> str:
@@ -175,6 +189,13 @@ def build_plan(cfg: DictConfig | dict) -> Plan:
         raise ConfigError(str(err)) from None
 
 
+def typed(cfg: DictConfig, key: str, schema: type):
+    """``cfg[key]`` merged over ``schema``'s defaults, as the dataclass."""
+    node = cfg.get(key)
+    merged = OmegaConf.merge(OmegaConf.structured(schema), node if node is not None else {})
+    return OmegaConf.to_object(merged)
+
+
 def _plain(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
@@ -185,9 +206,12 @@ def validate(cfg: DictConfig) -> Plan:
     Raises:
         ConfigError: naming the offending key and the fix.
     """
+    resolve_launch(cfg)
     model, train, par, launcher = cfg.model, cfg.train, cfg.parallel, cfg.launcher
     _check(launcher.device in ("cpu", "cuda", "npu"), f"launcher.device={launcher.device!r}: use cpu, cuda or npu")
     _check(launcher.nnodes >= 1, f"launcher.nnodes={launcher.nnodes}: need at least one node")
+    _check(launcher.timeout_s > 0 and launcher.join_timeout_s > 0,
+           f"launcher.timeout_s={launcher.timeout_s} / launcher.join_timeout_s={launcher.join_timeout_s}: must be > 0")
     _check(launcher.nproc_per_node >= 1, f"launcher.nproc_per_node={launcher.nproc_per_node}: need at least one worker")
     n_devices = world_size(launcher)
     for key in ("steps", "global_batch", "micro_batch", "seq_len"):
@@ -221,13 +245,76 @@ def validate(cfg: DictConfig) -> Plan:
     )
     _check_memory(cfg, plan)
     try:
-        planned_faults(OmegaConf.to_container(cfg.failure, resolve=True), world=n_devices)
+        planned_faults(OmegaConf.to_container(cfg.failure, resolve=True), world=n_devices, nnodes=launcher.nnodes)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    _check(cfg.ft.heartbeat_timeout_s > 0, f"ft.heartbeat_timeout_s={cfg.ft.heartbeat_timeout_s}: must be > 0")
+    ft = cfg.ft
+    for key in ("heartbeat_timeout_s", "stall_min_s", "stall_factor"):
+        _check(ft[key] > 0, f"ft.{key}={ft[key]}: must be > 0")
+    _check(ft.stall_timeout_s is None or ft.stall_timeout_s > 0, f"ft.stall_timeout_s={ft.stall_timeout_s}: null or > 0")
+    _check(ft.on_fault in ("recover", "exit"), f"ft.on_fault={ft.on_fault!r}: use recover or exit")
     _check(cfg.ckpt.interval >= 0, f"ckpt.interval={cfg.ckpt.interval}: use 0 (off) or a positive step count")
-    _check(cfg.ft.on_fault in ("recover", "exit"), f"ft.on_fault={cfg.ft.on_fault!r}: use recover or exit")
+    _check(cfg.ckpt.keep >= 1, f"ckpt.keep={cfg.ckpt.keep}: keep at least 1 checkpoint")
+    _check_data(cfg.data.path, seq_len=train.seq_len)
+    if cfg.ckpt.resume is not None:
+        _check_resume(cfg.ckpt.resume, model_config(cfg))
+    from chameleon.runtime.launch import launch_problem
+
+    problem = launch_problem(cfg.launcher)
+    _check(problem is None, problem or "")
     return plan
+
+
+def resolve_launch(cfg: DictConfig) -> None:
+    """Fill the launch keys left null from the environment (``chameleon/runtime/launch.py``).
+
+    Raises:
+        ConfigError: the environment or the keys do not describe a job.
+    """
+    from chameleon.runtime.launch import LaunchError, resolve
+
+    try:
+        resolved = resolve(OmegaConf.to_container(cfg.launcher, resolve=True))
+    except LaunchError as err:
+        raise ConfigError(str(err)) from None
+    for key, value in resolved.items():
+        cfg.launcher[key] = value
+
+
+def _check_data(path: str | None, *, seq_len: int) -> None:
+    """Refuse a data file that is missing, unreadable, binary, not UTF-8 or too short."""
+    if path is None:
+        return
+    file = Path(path).expanduser()
+    fix = "give a UTF-8 text file, or data.path=null for the bundled corpus"
+    _check(file.is_file(), f"data.path={path!r} is not a file: {fix}")
+    try:
+        with file.open("rb") as f:
+            head = f.read(1 << 20)
+    except OSError as err:
+        raise ConfigError(f"data.path={path!r} cannot be read ({err.strerror}): {fix}") from None
+    _check(b"\0" not in head, f"data.path={path!r} looks binary (it holds NUL bytes): {fix}")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"data.path={path!r} is not UTF-8 text (byte {err.start} of the file): {fix}") from None
+    size = file.stat().st_size
+    _check(size > seq_len, f"data.path={path!r} holds {size} bytes, fewer than train.seq_len+1={seq_len + 1}: {fix}")
+
+
+def _check_resume(resume: str, model: ModelConfig) -> None:
+    """Refuse a checkpoint root with no whole, readable checkpoint of this model."""
+    from chameleon.model.llama import param_shapes
+    from chameleon.runtime.checkpoint import CheckpointError, latest_checkpoint, verify_checkpoint
+
+    root = Path(resume).expanduser()
+    _check(root.is_dir(), f"ckpt.resume={resume} is not a directory: give a run's checkpoint root (…/checkpoints)")
+    try:
+        info = latest_checkpoint(root)
+        _check(info is not None, f"ckpt.resume={resume} holds no complete checkpoint: give a root with a COMPLETE one")
+        verify_checkpoint(info, param_shapes(model))
+    except CheckpointError as err:
+        raise ConfigError(f"ckpt.resume={resume}: {err}") from None
 
 
 def _check(ok: bool, message: str) -> None:

@@ -14,30 +14,64 @@ from __future__ import annotations
 import json
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from chameleon.config import CONF_DIR, build_plan, model_config, register_configs
+from chameleon import cli
+from chameleon.config import CONF_DIR, ConfigError, build_plan, model_config, register_configs, typed
 from chameleon.decision.config import ClusterConfig, PlanQueryConfig, PolicyConfig
 from chameleon.decision.estimator import estimate_step, memory_per_device
 from chameleon.decision.planner import Planner
 from chameleon.decision.profiler import load_profile
 from chameleon.decision.selector import decide
 
+USAGE = """
+usage: python -m chameleon.plan [+recipe=NAME] [cluster=NAME] ['plan.failed=[D, ...]'] [plan.json=true] [KEY=VALUE ...]
+
+What Chameleon would do if devices of the failure-free plan failed, without training: the plan, every
+recovery candidate (reroute, dynamic, redundant, checkpoint) with its estimated step time, transition,
+peak memory and Eq. 8 score, and the choice. plan.checkpoint_age_s=S says a checkpoint exists (S s old);
+plan.fault_times_s and plan.elapsed_s feed the estimate of the time to the next fault.
+
+  python -m chameleon.plan                                         the tiny model, device 1 lost
+  python -m chameleon.plan +recipe=llama7b cluster=a100_32 'plan.failed=[5]'
+"""
+
 register_configs()
 
 
-def _typed(cfg: DictConfig, key: str, schema: type):
-    """``cfg[key]`` merged over the schema's defaults, as a dataclass."""
-    node = cfg.get(key)
-    merged = OmegaConf.merge(OmegaConf.structured(schema), node if node is not None else {})
-    return OmegaConf.to_object(merged)
+def check(cfg: DictConfig) -> None:
+    """Refuse a query that names no device, devices outside the plan, or every device.
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    query = typed(cfg, "plan", PlanQueryConfig)
+    policy = typed(cfg, "policy", PolicyConfig)
+    devices = build_plan(cfg).devices
+    failed = list(query.failed)
+    if not failed:
+        raise ConfigError("plan.failed is empty: name the failed devices, e.g. 'plan.failed=[5]'")
+    strangers = sorted(set(failed) - set(devices))
+    if strangers:
+        raise ConfigError(f"plan.failed names {strangers}, which are not devices of the plan (0..{len(devices) - 1}): "
+                          "name devices of the plan")
+    if len(set(failed)) != len(failed):
+        raise ConfigError(f"plan.failed={failed} names a device twice: name each once")
+    if set(failed) >= set(devices):
+        raise ConfigError("plan.failed names every device of the plan: nothing is left to recover onto")
+    for key in ("checkpoint_age_s", "elapsed_s"):
+        value = getattr(query, key)
+        if value is not None and value < 0:
+            raise ConfigError(f"plan.{key}={value}: must be ≥ 0")
+    if policy.name not in ("chameleon", "reroute", "dynamic", "redundant", "checkpoint"):
+        raise ConfigError(f"policy.name={policy.name!r}: use chameleon, reroute, dynamic, redundant or checkpoint")
 
 
 def report(cfg: DictConfig) -> str:
     """The CLI's output for a composed config: a table, or JSON with ``plan.json=true``."""
-    cluster = _typed(cfg, "cluster", ClusterConfig)
-    policy = _typed(cfg, "policy", PolicyConfig)
-    query = _typed(cfg, "plan", PlanQueryConfig)
+    cluster = typed(cfg, "cluster", ClusterConfig)
+    policy = typed(cfg, "policy", PolicyConfig)
+    query = typed(cfg, "plan", PlanQueryConfig)
     model = model_config(cfg)
     plan = build_plan(cfg)
     profile = load_profile(model, cluster, micro_batch=cfg.train.micro_batch, seq_len=cfg.train.seq_len, tp=cfg.parallel.tp)
@@ -70,8 +104,16 @@ def report(cfg: DictConfig) -> str:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
-def main(cfg: DictConfig) -> None:
+def _job(cfg: DictConfig) -> None:
+    try:
+        check(cfg)
+    except ConfigError as err:
+        cli.fail(err)
     print(report(cfg))
+
+
+def main() -> None:
+    cli.run("plan", USAGE, _job, check)
 
 
 if __name__ == "__main__":

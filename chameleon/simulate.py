@@ -20,26 +20,82 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
-from chameleon.config import CONF_DIR, build_plan, model_config, register_configs
+from chameleon import cli
+from chameleon.config import CONF_DIR, ConfigError, build_plan, model_config, register_configs, typed
 from chameleon.decision.config import ClusterConfig, PolicyConfig
 from chameleon.decision.profiler import load_profile
 from chameleon.layout.plan import Plan
 from chameleon.report.outputs import write_json
 from chameleon.sim import report
-from chameleon.sim.config import SimConfig, TraceConfig
+from chameleon.sim.config import POLICIES, SimConfig, TraceConfig
 from chameleon.sim.engine import RunResult, Setup, simulate
 from chameleon.sim.policies import Planning
-from chameleon.sim.traces import Event, build_trace, nominal_mtbf_s
+from chameleon.sim.traces import Event, build_trace, nominal_mtbf_s, read_csv
+
+USAGE = """
+usage: python -m chameleon.simulate [+recipe=NAME] [cluster=NAME] [trace=KIND] [sim.horizon_h=H] [KEY=VALUE ...]
+
+Days of training on a large cluster under a fault trace, in seconds: every policy of sim.policies on
+the same trace, each decision made by the real planner, estimator and selector. Traces: poisson
+(per-device and per-node MTBFs, repairs), oobleck (a node removed every trace.interval_s), csv
+(an Oobleck-format file, trace.path=FILE: lines ms,add|remove,nodeX), none.
+
+  python -m chameleon.simulate                                    the tiny model on 8 local devices
+  python -m chameleon.simulate +recipe=llama7b cluster=ascend910b_32 trace=oobleck trace.interval_s=1800
+"""
 
 register_configs()
 
 
-def _typed(cfg: DictConfig, key: str, schema: type):
-    node = cfg.get(key)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node if node is not None else {}))
+def check(cfg: DictConfig) -> None:
+    """Refuse a simulation that cannot run: bad horizon, policies, trace keys or trace file.
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    sim, trace = typed(cfg, "sim", SimConfig), typed(cfg, "trace", TraceConfig)
+    cluster = typed(cfg, "cluster", ClusterConfig)
+    _require(sim.horizon_h > 0, f"sim.horizon_h={sim.horizon_h}: must be > 0")
+    _require(sim.initial in ("recipe", "planner"), f"sim.initial={sim.initial!r}: use recipe or planner")
+    unknown = [p for p in sim.policies if p not in POLICIES]
+    _require(sim.policies and not unknown, f"sim.policies names {unknown or 'nothing'}: pick from {', '.join(POLICIES)}")
+    _require(cluster.n_devices >= 1, f"cluster.n_devices={cluster.n_devices}: must be ≥ 1")
+    _require(trace.kind in ("poisson", "oobleck", "csv", "none"), f"trace.kind={trace.kind!r}: use poisson, oobleck, csv or none")
+    _require(trace.interval_s > 0, f"trace.interval_s={trace.interval_s}: must be > 0")
+    _require(trace.n_removals >= 0, f"trace.n_removals={trace.n_removals}: must be ≥ 0")
+    _require(trace.node_size >= 1, f"trace.node_size={trace.node_size}: must be ≥ 1")
+    _require(trace.device_mtbf_h > 0, f"trace.device_mtbf_h={trace.device_mtbf_h}: must be > 0")
+    _require(trace.node_mtbf_h is None or trace.node_mtbf_h > 0, f"trace.node_mtbf_h={trace.node_mtbf_h}: null or > 0")
+    _require(trace.repair_h is None or trace.repair_h >= 0, f"trace.repair_h={trace.repair_h}: null or ≥ 0")
+    if trace.kind == "csv":
+        _check_csv(trace, n_devices=cluster.n_devices)
+    if sim.initial == "recipe":
+        devices = len(build_plan(cfg).devices)
+        _require(devices == cluster.n_devices, f"the recipe's plan uses {devices} devices but cluster.n_devices="
+                 f"{cluster.n_devices}: set sim.initial=planner to plan the whole cluster, or match parallel.* to it")
+
+
+def _check_csv(trace: TraceConfig, *, n_devices: int) -> None:
+    _require(bool(trace.path), "trace=csv needs trace.path=FILE (lines 'ms,add|remove,nodeX')")
+    path = Path(trace.path).expanduser()
+    _require(path.is_file(), f"trace.path={trace.path!r} is not a file: give an Oobleck-format trace")
+    try:
+        events = read_csv(path, node_size=trace.node_size)
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"trace.path: {err}") from None
+    n_nodes = n_devices // trace.node_size
+    stray = next((e for e in events if max(e.devices) >= n_devices), None)
+    _require(stray is None, f"trace.path={trace.path!r} names node{(stray.devices[0] // trace.node_size) if stray else 0} "
+             f"at {stray.time_s if stray else 0:g} s, but the cluster has {n_nodes} trace nodes (cluster.n_devices / "
+             "trace.node_size): give a trace of this cluster, or a larger cluster.n_devices")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
 
 
 def prepare(cfg: DictConfig) -> tuple[Setup, tuple[Event, ...], float, SimConfig]:
@@ -48,8 +104,8 @@ def prepare(cfg: DictConfig) -> tuple[Setup, tuple[Event, ...], float, SimConfig
     Raises:
         ValueError: When ``sim.initial=recipe`` and the recipe's devices differ from ``cluster.n_devices``.
     """
-    sim, trace = _typed(cfg, "sim", SimConfig), _typed(cfg, "trace", TraceConfig)
-    cluster, policy = _typed(cfg, "cluster", ClusterConfig), _typed(cfg, "policy", PolicyConfig)
+    sim, trace = typed(cfg, "sim", SimConfig), typed(cfg, "trace", TraceConfig)
+    cluster, policy = typed(cfg, "cluster", ClusterConfig), typed(cfg, "policy", PolicyConfig)
     profile = load_profile(model_config(cfg), cluster, micro_batch=cfg.train.micro_batch, seq_len=cfg.train.seq_len, tp=cfg.parallel.tp)
     planning = Planning(profile, policy)
     plan = _initial_plan(cfg, sim, cluster, planning)
@@ -96,13 +152,21 @@ def write_outputs(results: list[RunResult], events: tuple[Event, ...], out: Path
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
-def main(cfg: DictConfig) -> None:
+def _job(cfg: DictConfig) -> None:
+    try:
+        check(cfg)
+    except ConfigError as err:
+        cli.fail(err)
     results, events = run(cfg)
     hydra_cfg = HydraConfig.get()
     out = Path(hydra_cfg.runtime.output_dir)
     text = write_outputs(results, events, out, overrides=list(hydra_cfg.overrides.task), plots=cfg.sim.plots)
     print(f"{len(events)} trace events; outputs in {out}\n{text}")
     print(json.dumps({r.policy: round(r.throughput, 4) for r in results}))
+
+
+def main() -> None:
+    cli.run("simulate", USAGE, _job, check)
 
 
 if __name__ == "__main__":

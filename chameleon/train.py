@@ -1,45 +1,138 @@
 """``python -m chameleon.train [+recipe=NAME] [key=value ...]``: train, with faults survived.
 
-The calling process is the controller; it composes the config once, pins one run
-directory, and starts ``launcher.nproc_per_node`` worker processes per node. The last line printed is
-the path of ``summary.json``.
+On node 0 (the default) the calling process is the controller: it composes the
+config once, pins one run directory, runs node 0's workers and waits for the other
+nodes' agents. On any other node (``launcher.node_rank ≥ 1``) it is that node's
+agent, and writes nothing locally. The last line node 0 prints is the path of
+``summary.json``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from chameleon import cli
 from chameleon.config import CONF_DIR, ConfigError, register_configs, to_container, validate
+
+USAGE = """
+usage: python -m chameleon.train [+recipe=NAME] [GROUP=OPTION ...] [KEY=VALUE ...] [--multirun]
+
+Trains a Llama on worker processes (one per device) and keeps training through faults: a lost
+device is recovered in place by rerouting, re-planning, a neighbour's takeover or a checkpoint,
+whichever Eq. 8 predicts trains the most samples before the next fault.
+
+  python -m chameleon.train                                  the default: 4 workers, a SIGKILL in step 50
+  python -m chameleon.train failure=none train.steps=300     no fault, longer
+  python -m chameleon.train parallel=dp launcher.nproc_per_node=1 failure=none    one process
+  python -m chameleon.train launcher.nnodes=2 launcher.node_rank=K launcher.master_addr=HOST \\
+      launcher.master_port=29500 launcher.nproc_per_node=8      on each of two hosts (CHAMELEON_SECRET set)
+
+Outputs go to the run directory (hydra.run.dir=...): metrics.jsonl, events.jsonl, summary.json,
+final_params.pt, checkpoints/. Exit codes: 0 trained; 1 training failed (one line says why);
+2 config error; 3 stopped for a relaunch (ft.on_fault=exit); 4 preempted by SIGTERM (a checkpoint
+was saved: continue with ckpt.resume=DIR); 130 interrupted (Ctrl-C).
+"""
+
+EXIT_FAILED, EXIT_RELAUNCH, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 3, 4, 130
+_RUN_FILES = ("summary.json", "events.jsonl", "metrics.jsonl")
 
 register_configs()
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
-def main(cfg: DictConfig) -> None:
-    """Validate, train, print the summary path; a bad config exits 2 with one line."""
+def _job(cfg: DictConfig) -> None:
+    """Validate, train, print the summary path; every way it can end is one line and an exit code."""
     try:
         plan = validate(cfg)
     except ConfigError as err:
-        print(f"chameleon: config error: {err}", file=sys.stderr)
-        sys.exit(2)
-    from chameleon.runtime.controller import JobRestart, TrainingError, run_training
+        cli.fail(err)
+    from chameleon.runtime.checkpoint import CheckpointError
+    from chameleon.runtime.controller import run_training
+    from chameleon.runtime.errors import JobRestart, Preempted, TrainingError
+    from chameleon.runtime.launch import LaunchError, job_secret
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        secret = job_secret(cfg.launcher.nnodes)
+    except LaunchError as err:
+        cli.fail(err)
     print(f"plan ({len(plan.devices)} workers):\n{plan.describe()}", flush=True)
     try:
-        summary = run_training(to_container(cfg), plan=plan, run_dir=run_dir)
+        summary = run_training(to_container(cfg), plan=plan, run_dir=run_dir, secret=secret)
     except JobRestart as err:
-        print(f"chameleon: {err}", file=sys.stderr)
-        sys.exit(3)
-    except TrainingError as err:
-        print(f"chameleon: training failed: {err}", file=sys.stderr)
-        sys.exit(1)
+        _stop(f"chameleon: {err}", EXIT_RELAUNCH)
+    except Preempted as err:
+        _stop(f"chameleon: preempted: {err}", EXIT_PREEMPTED)
+    except (TrainingError, CheckpointError, OSError) as err:
+        _stop(f"chameleon: training failed: {err}", EXIT_FAILED)
+    except KeyboardInterrupt:
+        _stop("chameleon: interrupted (Ctrl-C); every worker is stopped", EXIT_INTERRUPTED)
     print(summary, flush=True)
+
+
+def _stop(line: str, code: int) -> None:
+    print(line, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _prepare(cfg: DictConfig) -> None:
+    """Refuse what cannot run before Hydra writes anything; on a node other than 0, serve as its agent."""
+    from chameleon.runtime.launch import LaunchError, job_secret
+
+    validate(cfg)
+    try:
+        job_secret(cfg.launcher.nnodes)
+    except LaunchError as err:
+        raise ConfigError(str(err)) from None
+    if cfg.launcher.node_rank > 0:
+        sys.exit(_serve_node(cfg))
+    if "--multirun" not in sys.argv and "-m" not in sys.argv:
+        _check_run_dir(Path(cfg.hydra.run.dir))
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """The run directory must be new (outputs are never overwritten) and writable."""
+    held = [f for f in _RUN_FILES if (run_dir / f).exists()]
+    if held:
+        raise ConfigError(f"hydra.run.dir={run_dir} already holds a run ({held[0]}): pick a new directory")
+    probe = run_dir
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"hydra.run.dir={run_dir} cannot be created or written ({probe} is not a writable "
+                          "directory): pick a directory you can write")
+
+
+def _serve_node(cfg: DictConfig) -> int:
+    """Run this node's agent (launcher.node_rank ≥ 1) until the job ends; its exit code."""
+    from chameleon.runtime.agent import serve
+    from chameleon.runtime.launch import LaunchError, job_secret
+    from chameleon.runtime.wire import job_key
+
+    launcher = cfg.launcher
+    try:
+        key = job_key(job_secret(launcher.nnodes))
+    except LaunchError as err:
+        cli.fail(err)
+    config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+    print(f"chameleon agent {launcher.node_rank}: joining the controller at "
+          f"{launcher.master_addr}:{launcher.control_port}", file=sys.stderr, flush=True)
+    try:
+        return serve(config, node=launcher.node_rank, master_addr=launcher.master_addr, control_port=launcher.control_port,
+                     key=key, node_addr=launcher.node_addr, join_timeout_s=launcher.join_timeout_s)
+    except KeyboardInterrupt:
+        print(f"chameleon agent {launcher.node_rank}: interrupted; its workers are stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def main() -> None:
+    cli.run("train", USAGE, _job, _prepare)
 
 
 if __name__ == "__main__":

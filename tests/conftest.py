@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,34 +22,54 @@ class Run:
     stdout: str
     stderr: str
     run_dir: Path
+    session: int
 
     @property
     def summary(self) -> dict:
         return json.loads((self.run_dir / "summary.json").read_text())
 
     def leftover_workers(self) -> list[int]:
-        """Worker processes of this run that are still alive (there must be none)."""
-        start = json.loads((self.run_dir / "events.jsonl").read_text().splitlines()[0])
-        return [pid for pid in start["workers"].values() if _alive(pid)]
+        """Processes the run started that outlive it by more than a moment: its whole session."""
+        return lingering(self.session)
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
         return torch.load(self.run_dir / "final_params.pt", weights_only=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "\nState:\tZ" not in status
+def session_processes(session: int) -> list[int]:
+    """Live (non-zombie) processes of a session; a run's controller, forkserver and workers share one."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_bytes().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] != b"Z":
+            found.append(int(stat.parent.name))
+    return found
 
 
-def run_entry(entry: str, run_dir: Path, *overrides: str, timeout: float = 240) -> Run:
-    """Run ``python -m chameleon.<entry>`` with Hydra overrides, its run dir pinned to ``run_dir``."""
+def lingering(session: int, grace_s: float = 3.0) -> list[int]:
+    """The session's processes still alive ``grace_s`` after the run (helpers exit a moment after their parent)."""
+    deadline = time.monotonic() + grace_s
+    while (found := session_processes(session)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
+def run_entry(entry: str, run_dir: Path, *overrides: str, timeout: float = 240, env: dict | None = None) -> Run:
+    """Run ``python -m chameleon.<entry>`` with Hydra overrides, its run dir pinned to ``run_dir``, in a new session."""
     cmd = [sys.executable, "-m", f"chameleon.{entry}", f"hydra.run.dir={run_dir}", "output.progress=false", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=run_dir.parent)
-    return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or ENV,
+                            cwd=run_dir.parent, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} did not finish within {timeout} s:\n{err[-4000:]}") from None
+    return Run(proc.returncode, out, err, run_dir, proc.pid)
 
 
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -130,7 +130,7 @@ def test_load_opens_only_the_files_it_needs_once_each(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "load", recording_load)
     first_stage = device_holdings(ONE_PIPELINE_3_STAGES)[0]  # tok_embeddings + layer 0: stage 0 of A, devices 0 and 1
     load_regions(latest_checkpoint(tmp_path), first_stage)
-    assert sorted(opened) == ["device_0.pt", "device_1.pt"]
+    assert sorted(opened) == ["gen0_device_0.pt", "gen0_device_1.pt"]
 
 
 def test_save_snapshots_before_returning(tmp_path):
@@ -145,7 +145,7 @@ def test_save_snapshots_before_returning(tmp_path):
             t.add_(1.0)  # training goes on while the write is in flight
     w.wait()
     assert not w.pending
-    stored = torch.load(step_dir(tmp_path, 3) / "device_0.pt", weights_only=True)
+    stored = torch.load(step_dir(tmp_path, 3) / "gen0_device_0.pt", weights_only=True)
     for kind in KINDS:
         for name, region in regions.items():
             assert torch.equal(stored[kind][name], original[kind][name][box(region)])
@@ -157,7 +157,7 @@ def test_latest_ignores_uncommitted_newer_steps(tmp_path):
     save_and_commit(tmp_path, full, step=10)
     save(tmp_path, LAYOUT_A, full, step=20, committed_steps=20)  # every file written, never committed
     step_dir(tmp_path, 30).mkdir()
-    (step_dir(tmp_path, 30) / ".device_0.pt.tmp").write_bytes(b"torn")  # a writer killed mid-save
+    (step_dir(tmp_path, 30) / ".gen0_device_0.pt.tmp").write_bytes(b"torn")  # a writer killed mid-save
     info = latest_checkpoint(tmp_path)
     assert (info.path, info.step, info.committed_steps) == (step_dir(tmp_path, 10), 10, 10)
     marker_time = (info.path / "COMPLETE").stat().st_mtime
@@ -187,7 +187,7 @@ def test_metadata_records_every_file_and_shape(tmp_path):
     assert meta["shapes"] == {n: list(s) for n, s in SHAPES.items()}
     assert meta["config"] == CONFIG
     assert {f: e["regions"] for f, e in meta["files"].items()} == {
-        f"device_{d}.pt": json.loads(json.dumps(regions)) for d, regions in writers(LAYOUT_A).items()
+        f"gen0_device_{d}.pt": json.loads(json.dumps(regions)) for d, regions in writers(LAYOUT_A).items()
     }
     assert (directory / "COMPLETE").exists()
 

@@ -56,7 +56,7 @@ class PolicyConfig:
 class PlanQueryConfig:
     """``python -m chameleon.plan``: which devices failed, and how to print."""
 
-    failed: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=lambda: [1])
     json: bool = False
     checkpoint_age_s: float | None = None  # seconds since the last checkpoint; None = no checkpoint
     fault_times_s: list[float] = field(default_factory=list)  # earlier faults, seconds since start

@@ -158,17 +158,21 @@ def reroute_plan(plan: Plan, failed: set[int]) -> Plan:
 def takeover_plan(profile: Profile, plan: Plan, failed: set[int]) -> Plan:
     """Merge each lost stage into a pipeline neighbour (the faster result that fits in memory).
 
+    Lost stages are merged last first, so a merge never shifts the index of a lost
+    stage still to come; two lost stages of one pipeline may end up in one neighbour.
+
     Raises:
         PlanError: When a lost stage has no neighbour or no merge fits in memory.
     """
     pipelines = list(plan.pipelines)
-    for j, s in _lost_units(plan, failed):
+    for j, s in sorted(_lost_units(plan, failed), reverse=True):
         p = pipelines[j]
         lost = p.stages[s]
-        options = []
+        options, neighbours = [], 0
         for nb in (s - 1, s + 1):
             if not 0 <= nb < p.n_stages or failed & set(p.stages[nb].devices) or not p.stages[nb].devices:
                 continue
+            neighbours += 1
             lo, hi = min(lost.layers[0], p.stages[nb].layers[0]), max(lost.layers[1], p.stages[nb].layers[1])
             merged = Stage(devices=p.stages[nb].devices, layers=(lo, hi))
             stages = tuple(merged if i == nb else st for i, st in enumerate(p.stages) if i != s)
@@ -177,7 +181,8 @@ def takeover_plan(profile: Profile, plan: Plan, failed: set[int]) -> Plan:
             if max(est.memory_per_device(profile, trial).values()) <= profile.memory_bytes:
                 options.append((est.estimate_step(profile, trial).compute, nb, cand))
         if not options:
-            raise PlanError(f"pipeline {j} stage {s}: no live neighbour can take its layers within memory")
+            why = "no live neighbour can take its layers within memory" if neighbours else "no live neighbour"
+            raise PlanError(f"pipeline {j} stage {s}: {why}")
         pipelines[j] = min(options, key=lambda o: o[:2])[2]
     out = Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=tuple(pipelines))
     validate_plan(out)
@@ -214,52 +219,62 @@ def candidates(
     ``in_process``: survivors reload a checkpoint without restarting (Chameleon's
     runtime), so that candidate pays a group rebuild instead of a job restart.
     """
-    batch = plan.global_batch
     gaps = _uncovered_layers(plan, failed)
-    out = []
-    common = dict(global_batch=batch, d_s=d_s, slots=slots)
-    if gaps:
-        lost = f"layers {gaps} have no surviving replica"
-        out += [Candidate(n, False, lost) for n in ("dynamic", "redundant", "reroute")]
-    else:
-        try:
-            rr = reroute_plan(plan, failed)
-            out.append(_finish("reroute", profile, rr, {"rebuild": est.rebuild_time(profile, rr)}, **common))
-        except PlanError as err:
-            out.append(Candidate("reroute", False, str(err)))
-        units = stage_units(plan, failed)
-        dyn = None
-        try:
-            if precomputed is not None:
-                dyn, search_s = precomputed, 0.0
-            else:
-                result = planner.best(units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size, previous=plan)
-                dyn, search_s = result.plan, result.search_s
-            migrate, _ = est.migration_time(profile, plan, dyn)
-            parts = {"search": search_s, "migrate": migrate, "rebuild": est.rebuild_time(profile, dyn)}
-            out.append(_finish("dynamic", profile, dyn, parts, **common))
-        except PlanError as err:
-            out.append(Candidate("dynamic", False, str(err)))
-        try:
-            to = takeover_plan(profile, plan, failed)
-            migrate, _ = est.migration_time(profile, plan, to)
-            out.append(_finish("redundant", profile, to, {"migrate": migrate, "rebuild": est.rebuild_time(profile, to)}, **common))
-        except PlanError as err:
-            out.append(Candidate("redundant", False, str(err)))
-    out.append(_checkpoint(profile, plan, failed, planner, checkpoint_age_s, precomputed=precomputed,
-                           in_process=in_process, **common))
+    common = dict(global_batch=plan.global_batch, d_s=d_s, slots=slots)
+    builders = {
+        "reroute": lambda: _reroute(profile, plan, failed, **common),
+        "dynamic": lambda: _dynamic(profile, plan, failed, planner, precomputed, **common),
+        "redundant": lambda: _redundant(profile, plan, failed, **common),
+    }
+    out = [Candidate(name, False, f"layers {gaps} have no surviving replica") if gaps else _built(name, build)
+           for name, build in builders.items()]
+    out.append(_built("checkpoint", lambda: _checkpoint(profile, plan, failed, planner, checkpoint_age_s,
+                                                        precomputed=precomputed, in_process=in_process, **common)))
     return out
+
+
+def _built(name: str, build) -> Candidate:
+    """``build()``; a candidate that cannot be built is infeasible with the reason, never an error of the caller."""
+    try:
+        return build()
+    except PlanError as err:
+        return Candidate(name, False, str(err))
+    except Exception as err:  # noqa: BLE001 - a broken candidate must not take the controller down
+        return Candidate(name, False, f"could not be built: {type(err).__name__}: {err}")
+
+
+def _reroute(profile, plan, failed, *, global_batch, d_s, slots) -> Candidate:
+    rr = reroute_plan(plan, failed)
+    return _finish("reroute", profile, rr, {"rebuild": est.rebuild_time(profile, rr)},
+                   global_batch=global_batch, d_s=d_s, slots=slots)
+
+
+def _dynamic(profile, plan, failed, planner, precomputed, *, global_batch, d_s, slots) -> Candidate:
+    if precomputed is not None:
+        dyn, search_s = precomputed, 0.0
+    else:
+        result = planner.best(stage_units(plan, failed), n_micro=plan.n_micro_batches,
+                              micro_batch_size=plan.micro_batch_size, previous=plan)
+        dyn, search_s = result.plan, result.search_s
+    migrate, _ = est.migration_time(profile, plan, dyn)
+    parts = {"search": search_s, "migrate": migrate, "rebuild": est.rebuild_time(profile, dyn)}
+    return _finish("dynamic", profile, dyn, parts, global_batch=global_batch, d_s=d_s, slots=slots)
+
+
+def _redundant(profile, plan, failed, *, global_batch, d_s, slots) -> Candidate:
+    to = takeover_plan(profile, plan, failed)
+    migrate, _ = est.migration_time(profile, plan, to)
+    return _finish("redundant", profile, to, {"migrate": migrate, "rebuild": est.rebuild_time(profile, to)},
+                   global_batch=global_batch, d_s=d_s, slots=slots)
 
 
 def _checkpoint(profile, plan, failed, planner, age_s, *, precomputed, in_process, global_batch, d_s, slots) -> Candidate:
     if age_s is None:
         return Candidate("checkpoint", False, "no checkpoint exists")
-    try:
-        target = precomputed or planner.choose(
-            stage_units(plan, failed), n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size
-        )
-    except PlanError as err:
-        return Candidate("checkpoint", False, str(err))
+    units = stage_units(plan, failed)
+    if not units:
+        return Candidate("checkpoint", False, "no device survives to reload it onto")
+    target = precomputed or planner.choose(units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
     restart = {"rebuild": est.rebuild_time(profile, target)} if in_process else {"restart": profile.restart_s}
     parts = {**restart, "reload": est.checkpoint_time(profile, plan.n_layers), "lost_progress": age_s}
     return _finish("checkpoint", profile, target, parts, global_batch=global_batch, d_s=d_s, slots=slots)
@@ -303,3 +318,37 @@ def decide(
     if best is None:
         note = note or "no feasible candidate: every layer's state is lost and no checkpoint exists"
     return Decision(policy.name, tuple(sorted(failed)), d_s, source, best.name if best else None, tuple(cands), note)
+
+
+def decide_growth(
+    profile: Profile,
+    plan: Plan,
+    joining: list[tuple[int, ...]],
+    *,
+    policy: PolicyConfig,
+    planner: Planner,
+    fault_times: list[float] = (),
+    elapsed_s: float = 0.0,
+) -> Decision:
+    """Whether devices that came back should join: ``stay`` on ``plan`` or ``grow`` onto the planner's best
+    plan over every stage unit, by the same Eq. 8 reasoning as a fault (the transition against faster
+    steps until the next fault). Ties stay.
+
+    Args:
+        joining: the returning devices as stage units (TP groups).
+    """
+    d_s, source = estimate_d(policy, fault_times=list(fault_times), elapsed_s=elapsed_s)
+    common = dict(global_batch=plan.global_batch, d_s=d_s, slots=policy.reroute_slots)
+    stay = _finish("stay", profile, plan, {}, **common)
+
+    def grow() -> Candidate:
+        result = planner.best(stage_units(plan) + list(joining), n_micro=plan.n_micro_batches,
+                              micro_batch_size=plan.micro_batch_size, previous=plan)
+        migrate, _ = est.migration_time(profile, plan, result.plan)
+        parts = {"search": result.search_s, "migrate": migrate, "rebuild": est.rebuild_time(profile, result.plan)}
+        return _finish("grow", profile, result.plan, parts, **common)
+
+    cands = (stay, _built("grow", grow))
+    best = max((c for c in cands if c.feasible), key=lambda c: (c.score, c.name == "stay"))
+    joined = sorted(d for unit in joining for d in unit)
+    return Decision(policy.name, tuple(joined), d_s, source, best.name, cands, f"devices {joined} returned")

@@ -1,7 +1,7 @@
 """Fault-safe, resharding checkpoints without collectives.
 
 DCP's save and load are collectives: a worker killed mid-save wedges the
-survivors, and gloo cannot abort a blocked collective (``probe.md`` §4). Here
+survivors, and gloo cannot abort a blocked collective. Here
 every writer device saves its own file from a background thread, and the
 controller makes the checkpoint valid only once every writer reported its file
 done, by writing ``metadata.json`` and then a ``COMPLETE`` marker. Readers see
@@ -10,8 +10,8 @@ only directories with the marker, so a crashed save is never loaded.
 On disk, under ``root``::
 
     step_00000120/
-        device_3.pt      {kind: {name: local shard}} (kinds: param, exp_avg, ...)
-        device_3.json    that file's index: regions, dtypes, committed_steps
+        gen2_device_3.pt    {kind: {name: local shard}} (kinds: param, exp_avg, ...)
+        gen2_device_3.json  that file's index: regions, dtypes, committed_steps
         metadata.json    the whole checkpoint's index, written by the controller
         COMPLETE         written last; its mtime dates the checkpoint
 
@@ -21,7 +21,9 @@ for any regions (any TP degree, any pipeline split) and :func:`load_regions`
 assembles each one from the stored shards it intersects.
 
 Every file is written to a temporary name, fsynced and renamed into place, so a
-file is either whole or absent. The root must be visible to every writer and to
+file is either whole or absent. File names carry the writer's generation, so a
+stale writer (a fenced node that wakes up) can never replace a file a checkpoint
+of a newer generation lists. The root must be visible to every writer and to
 the controller (a shared file system on multi-node jobs).
 """
 
@@ -124,6 +126,11 @@ def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
+def shard_file(device: int, generation: int) -> str:
+    """The file a writer device saves its shards to in ``generation``."""
+    return f"gen{generation}_device_{device}.pt"
+
+
 def config_digest(config: Mapping[str, Any]) -> str:
     """SHA-256 of a JSON-serialisable config, independent of key order."""
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
@@ -137,9 +144,9 @@ class CheckpointWriter:
     and leaves only a temporary file, which readers ignore.
     """
 
-    def __init__(self, root: Path, *, device: int) -> None:
+    def __init__(self, root: Path, *, device: int, generation: int = 0) -> None:
         self.root = Path(root)
-        self.device = device
+        self.device, self.generation = device, generation
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -195,7 +202,7 @@ class CheckpointWriter:
             "regions": {name: [list(r) for r in region] for name, region in regions.items()},
             "dtypes": {kind: {name: _dtype_name(t.dtype) for name, t in ts.items()} for kind, ts in snapshot.items()},
         }
-        path = directory / f"device_{self.device}.pt"
+        path = directory / shard_file(self.device, self.generation)
         self._thread = threading.Thread(
             target=self._write, args=(path, snapshot, index), name=f"checkpoint-device-{self.device}", daemon=True
         )
@@ -232,6 +239,7 @@ def commit_checkpoint(
     shapes: Mapping[str, tuple[int, ...]],
     config: Mapping[str, Any],
     keep: int = 2,
+    generation: int = 0,
 ) -> Path:
     """Make the checkpoint at ``step`` valid, then prune older ones.
 
@@ -244,6 +252,7 @@ def commit_checkpoint(
         root: the checkpoint root.
         step: the step being committed.
         expected_devices: every writer of this step (the keys of :func:`writers`).
+        generation: the generation the writers saved in (it names their files).
         shapes: global shape of every tensor; the stored regions must tile each exactly.
         config: JSON-serialisable config the state belongs to, stored with its digest.
         keep: complete checkpoints to keep, at least 1.
@@ -261,10 +270,11 @@ def commit_checkpoint(
     directory = step_dir(root, step)
     files = {}
     for device in sorted(expected_devices):
-        index_path = directory / f"device_{device}.json"
-        if not index_path.exists() or not index_path.with_suffix(".pt").exists():
-            raise CheckpointError(f"cannot commit {directory}: device {device} has not written {index_path.stem}.pt")
-        files[f"device_{device}.pt"] = json.loads(index_path.read_text())
+        shard = directory / shard_file(device, generation)
+        index_path = shard.with_suffix(".json")
+        if not index_path.exists() or not shard.exists():
+            raise CheckpointError(f"cannot commit {directory}: device {device} has not written {shard.name}")
+        files[shard.name] = json.loads(index_path.read_text())
     metadata = _metadata(step, files, shapes, config)
     _atomic_write(directory / METADATA, lambda f: f.write(json.dumps(metadata, indent=1).encode()))
     _atomic_write(directory / COMPLETE, lambda f: f.write(f"{step}\n".encode()))
@@ -273,11 +283,15 @@ def commit_checkpoint(
 
 
 def latest_checkpoint(root: Path) -> CheckpointInfo | None:
-    """The newest complete checkpoint under ``root``, or ``None`` when there is none."""
+    """The newest complete checkpoint under ``root``, or ``None`` when there is none.
+
+    Raises:
+        CheckpointError: its ``metadata.json`` is unreadable.
+    """
     for step, directory in reversed(_step_dirs(Path(root))):
         marker = directory / COMPLETE
         if marker.exists():
-            metadata = json.loads((directory / METADATA).read_text())
+            metadata = _read_metadata(directory)
             return CheckpointInfo(
                 path=directory,
                 step=step,
@@ -305,7 +319,7 @@ def load_regions(info: CheckpointInfo, needs: Mapping[str, Region]) -> dict[str,
     Raises:
         CheckpointError: some part of a needed region is not stored; names the tensor.
     """
-    metadata = json.loads((info.path / METADATA).read_text())
+    metadata = _read_metadata(info.path)
     reads = _plan_reads(metadata, needs)
     dtypes = metadata["dtypes"]
     out = {
@@ -322,6 +336,37 @@ def load_regions(info: CheckpointInfo, needs: Mapping[str, Region]) -> dict[str,
                 out[kind][name][target] = stored[kind][name][source]
         del stored
     return out
+
+
+def verify_checkpoint(info: CheckpointInfo, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Check a checkpoint loads for a model of ``shapes``: same tensors and shapes, every file readable.
+
+    Raises:
+        CheckpointError: naming the foreign tensor or the damaged file.
+    """
+    metadata = _read_metadata(info.path)
+    stored = {name: tuple(shape) for name, shape in metadata["shapes"].items()}
+    for name in sorted(set(stored) | set(shapes)):
+        if stored.get(name) != tuple(shapes.get(name, ())) or name not in shapes:
+            raise CheckpointError(
+                f"{info.path} belongs to another model: tensor {name} is {stored.get(name, 'absent')} there but "
+                f"{tuple(shapes[name]) if name in shapes else 'absent'} in this one: resume with the model it was saved with"
+            )
+    for file in metadata["files"]:
+        path = info.path / file
+        try:
+            torch.load(path, mmap=True, weights_only=True)
+        except Exception as err:  # noqa: BLE001 - any failure to open means a damaged file
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CheckpointError(f"{path} is missing or damaged ({reason})") from None
+
+
+def _read_metadata(directory: Path) -> dict[str, Any]:
+    path = directory / METADATA
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is unreadable ({err}): the checkpoint is damaged") from None
 
 
 def _plan_reads(metadata: Mapping[str, Any], needs: Mapping[str, Region]) -> dict[str, list[tuple[str, Region]]]:

@@ -1,7 +1,7 @@
 """One generation of process groups, built and used so that no fault can wedge a survivor.
 
-Gloo cannot interrupt a blocked collective or connect (``../shared/mission/probe.md``
-§4). So:
+Gloo cannot interrupt a blocked collective or connect: ``abort()`` returns but the
+blocked call stays blocked until the group's timeout (measured with torch 2.13). So:
 
 - A generation's groups are raw backend objects (``ProcessGroupGloo`` …) on a
   fresh store prefix, outside c10d's global default group: a generation that saw a
@@ -12,6 +12,10 @@ Gloo cannot interrupt a blocked collective or connect (``../shared/mission/probe
   completion and the fault flag the controller sets in the store. Gloo's
   point-to-point ``Work.is_completed()`` only turns true inside ``wait()``, hence
   the thread rather than polling ``is_completed``.
+- Only a real peer failure is a :class:`PeerFailure`: the generation was flagged by
+  the controller. When a communication call fails first (a peer's process died and
+  its connection closed), the worker waits up to ``confirm_s`` for the controller to
+  flag it; if no flag comes, the original error is raised and stops the run.
 
 Devices keep their ids across generations; each generation maps them to ranks.
 """
@@ -20,11 +24,16 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
+
+from chameleon.runtime.beacon import GROUP, NOBODY, Beacon
+from chameleon.runtime.errors import ControllerLost
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 POLL_INTERVAL_S = 0.005  # fault-flag checks while waiting; completion itself wakes the wait at once
@@ -45,10 +54,20 @@ def connect_store(host: str, port: int, *, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def _new_group(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
-    """A raw process group of ``backend`` (gloo, nccl, or a registered plugin such as hccl)."""
+def _new_group(
+    backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta, host: str | None
+) -> dist.ProcessGroup:
+    """A raw process group of ``backend`` (gloo, nccl, or a registered plugin such as hccl).
+
+    Gloo binds to ``host`` (this node's address) when given, else to what the hostname resolves to.
+    """
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        if host is None:
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        options._timeout = timeout
+        return dist.ProcessGroupGloo(store, rank, size, options)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -72,6 +91,11 @@ class Generation:
         timeout_s: backend timeout; never reached on a fault, which is polled instead.
         groups: device sets that need their own group (sync and TP groups), in one
             order shared by every device; only members connect to a group.
+        host: the address this node's gloo traffic binds to (None: the hostname's).
+        confirm_s: how long a failed communication call waits for the controller to
+            flag a peer failure before it counts as an error of its own.
+        beacon: where this worker's waits are shown to its agent (optional).
+        on_connect: called between connecting the world group and the others (fault injection).
 
     Raises:
         PeerFailure: when the controller flags a fault before the groups connect.
@@ -88,8 +112,14 @@ class Generation:
         backend: str,
         timeout_s: float,
         groups: Sequence[tuple[int, ...]] = (),
+        host: str | None = None,
+        confirm_s: float = 5.0,
+        beacon: Beacon | None = None,
+        on_connect: Callable[[], None] | None = None,
     ):
         self.store = store
+        self.confirm_s = confirm_s
+        self.beacon = beacon
         self.generation = generation
         self.devices = tuple(devices)
         self.me = me
@@ -99,18 +129,20 @@ class Generation:
         timeout = timedelta(seconds=timeout_s)
         prefix = f"gen{generation}"
 
-        def connect() -> tuple[dist.ProcessGroup, dict[tuple[int, ...], dist.ProcessGroup]]:
-            store = connect_store()
-            world = _new_group(backend, dist.PrefixStore(f"{prefix}/world", store), self.rank, len(self.devices), timeout)
-            subgroups = {}
-            for members in dict.fromkeys(groups):
-                if me in members and len(members) > 1:
-                    key = "-".join(map(str, members))
-                    sub_store = dist.PrefixStore(f"{prefix}/group/{key}", store)
-                    subgroups[members] = _new_group(backend, sub_store, members.index(me), len(members), timeout)
-            return world, subgroups
-
-        self.world, self._groups = self.call(connect)
+        store_client = self.call(connect_store)
+        self.world = self.call(lambda: _new_group(
+            backend, dist.PrefixStore(f"{prefix}/world", store_client), self.rank, len(self.devices), timeout, host
+        ), waiting_on=GROUP)
+        if on_connect is not None:
+            on_connect()
+        self._groups = {}
+        for members in dict.fromkeys(groups):
+            if me in members and len(members) > 1:
+                sub_store = dist.PrefixStore(f"{prefix}/group/{'-'.join(map(str, members))}", store_client)
+                self._groups[members] = self.call(
+                    partial(_new_group, backend, sub_store, members.index(me), len(members), timeout, host),
+                    waiting_on=GROUP,
+                )
 
     @property
     def rank(self) -> int:
@@ -123,24 +155,46 @@ class Generation:
         """The group over ``members`` (which must include this device and have been declared)."""
         return self.world if len(members) == len(self.devices) else self._groups[members]
 
+    def flagged(self) -> bool:
+        """True once the controller flagged a fault in this generation.
+
+        Raises:
+            ControllerLost: the controller's store cannot be reached.
+        """
+        try:
+            return self.store.check([self._fault])
+        except RuntimeError as err:
+            raise ControllerLost(f"the controller's store is unreachable: {err}") from err
+
     def check(self) -> None:
         """Raise :class:`PeerFailure` if the controller flagged a fault in this generation."""
-        if self.store.check([self._fault]):
+        if self.flagged():
             raise PeerFailure(f"a peer of generation {self.generation} failed")
 
-    def call(self, fn: Callable[[], object]) -> object:
-        """Run blocking ``fn`` on the waiter thread; poll for faults until it returns."""
+    def call(self, fn: Callable[[], object], *, waiting_on: int = NOBODY, peer_errors: bool = True) -> object:
+        """Run blocking ``fn`` on the waiter thread; poll for faults until it returns.
+
+        ``waiting_on`` is shown on the beacon meanwhile (a peer device, or GROUP). An
+        error of ``fn`` is a :class:`PeerFailure` only if the controller flags one
+        (waited for up to ``confirm_s`` when ``peer_errors``); otherwise it is raised as is.
+        """
+        if self.beacon is not None:
+            self.beacon.waiting(waiting_on)
         pending = self._waiter.submit(fn)
-        while not pending.done.wait(POLL_INTERVAL_S):
-            self.check()
+        try:
+            while not pending.done.wait(POLL_INTERVAL_S):
+                self.check()
+        finally:
+            if self.beacon is not None:
+                self.beacon.waiting(NOBODY)
         if pending.error is not None:
-            raise PeerFailure(str(pending.error)) from pending.error
+            self._raise(pending.error, confirm=peer_errors)
         return pending.result
 
-    def wait(self, *works: dist.Work) -> None:
-        """Wait for ``works``, raising :class:`PeerFailure` as soon as a fault is flagged."""
+    def wait(self, *works: dist.Work, peer: int = GROUP) -> None:
+        """Wait for ``works`` (on ``peer``, for the beacon), raising :class:`PeerFailure` once a fault is flagged."""
         for work in works:
-            self.call(work.wait)
+            self.call(work.wait, waiting_on=peer)
 
     def send(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work:
         return self._post(self.world.send, [tensor], self.rank_of(device), tag)
@@ -154,11 +208,21 @@ class Generation:
         self.wait(self._post(group.allreduce, [tensor]))
 
     def _post(self, op: Callable[..., dist.Work], *args) -> dist.Work:
-        """Issue an asynchronous op; a connection a dead peer closed fails it at once, as a peer failure."""
+        """Issue an asynchronous op; posting to a connection a dead peer closed fails at once."""
         try:
             return op(*args)
         except RuntimeError as err:
-            raise PeerFailure(str(err)) from err
+            self._raise(err, confirm=True)
+
+    def _raise(self, error: BaseException, *, confirm: bool) -> None:
+        """Raise :class:`PeerFailure` if the controller flags this generation (within ``confirm_s``), else ``error``."""
+        deadline = time.monotonic() + (self.confirm_s if confirm else 0.0)
+        while True:
+            if self.flagged():
+                raise PeerFailure(f"a peer of generation {self.generation} failed ({error})") from error
+            if time.monotonic() >= deadline:
+                raise error
+            time.sleep(POLL_INTERVAL_S)
 
     def abandon(self) -> None:
         """Leave this generation for good: keep it referenced so no destructor blocks on dead peers."""

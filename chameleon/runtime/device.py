@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from chameleon.runtime.errors import DeviceFault
+
 
 def import_torch_npu() -> None:
     """Import torch_npu (it registers the ``npu`` device and hccl) only when an NPU is asked for.
@@ -40,3 +42,14 @@ def prepare_device(kind: str, *, local_rank: int) -> torch.device:
         torch.npu.set_device(index)
         return torch.device("npu", index)
     raise RuntimeError(f"launcher.device={kind!r}: use cpu, cuda or npu")
+
+
+def is_device_fault(error: BaseException) -> bool:
+    """True when ``error`` says this worker's own device is broken (handled as the loss of that device).
+
+    That is an injected :class:`DeviceFault` or an accelerator error (``torch.AcceleratorError``:
+    a CUDA/NPU fault such as an illegal access or an uncorrectable ECC error). Out-of-memory and
+    every other error are the run's own and stop it.
+    """
+    accelerator = getattr(torch, "AcceleratorError", ())
+    return isinstance(error, DeviceFault) or bool(accelerator) and isinstance(error, accelerator)

@@ -1,10 +1,27 @@
-"""Fault injection (Hydra group ``failure``): real SIGKILLs and SIGSTOPs of worker processes.
+"""Fault injection (Hydra group ``failure``): real SIGKILLs, SIGSTOPs and errors, at any moment.
 
-A fault pinned to a phase of a step (forward, backward, sync, optimizer, or the
-recovery that follows an earlier fault) is fired by the victim itself at that exact
-point — ``os.kill(getpid(), SIGKILL)`` ends it as abruptly as a lost device. A
-fault at ``phase=any``, a hang (SIGSTOP) and a fault at a wall-clock time are
-fired by the controller from outside.
+Kinds of fault, each on a device (``rank``) or a whole node (``node``):
+
+- ``kill``: SIGKILL of the worker process, as abruptly as a lost device;
+- ``hang``: SIGSTOP of the worker (caught by its missing heartbeat);
+- ``stall``: the worker's main thread blocks for good while its heartbeat goes on
+  (caught only by the progress watchdog);
+- ``error`` / ``device_error``: an exception in the worker — an error of the run,
+  which stops it, or a fault of the device itself, which loses that device;
+- ``node_kill``: SIGKILL of the node agent's whole process group (agent and workers);
+- ``node_hang``: SIGSTOP of the node agent (a partition), resumed after ``resume_after_s``.
+
+A fault pinned to a ``step`` and ``phase`` is fired by the victim worker itself at
+that exact point; for node faults, by the node's first device with a stage. Phases of
+a step: ``forward``, ``backward``, ``sync``, ``optimizer``, or ``any`` (a uniformly
+random moment of the step's compute, at its end at the latest, before its commit).
+Phases of the recovery that resumes at ``step``: ``recovery`` (as the worker starts
+on the new generation), ``rebuild`` (between connecting its world group and its
+other groups), ``transfer`` (at round ``round`` of the state transfer, by default
+the victim's first), ``redo`` (the forward of the redone step). ``decision`` fires
+from the controller while it decides on an earlier fault at ``step``. A fault at
+``at_s`` (seconds after training starts) is fired from outside by the controller,
+wherever the victim is — inside a recovery too.
 """
 
 from __future__ import annotations
@@ -12,90 +29,290 @@ from __future__ import annotations
 import os
 import random
 import signal
-import time
+import subprocess
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-WORKER_PHASES = ("forward", "backward", "sync", "optimizer", "recovery")
-PHASES = WORKER_PHASES + ("any",)
-KINDS = ("none", "kill", "hang", "schedule", "random")
+from chameleon.runtime.beacon import Beacon, Position
+from chameleon.runtime.errors import DeviceFault
+
+STEP_PHASES = ("forward", "backward", "sync", "optimizer", "any")
+RECOVERY_PHASES = ("recovery", "rebuild", "transfer", "redo")
+CONTROLLER_PHASES = ("decision",)
+PHASES = STEP_PHASES + RECOVERY_PHASES + CONTROLLER_PHASES
+DEVICE_KINDS = ("kill", "hang", "stall", "error", "device_error")
+NODE_KINDS = ("node_kill", "node_hang")
+FAULT_KINDS = DEVICE_KINDS + NODE_KINDS
+CONFIG_KINDS = ("none",) + FAULT_KINDS + ("schedule", "random")
+MAIN_THREAD_KINDS = ("stall", "error", "device_error")  # fired where the worker is, never from a timer or outside
 
 
-@dataclass
+@dataclass(frozen=True)
 class FaultSpec:
-    """One injected fault: ``kill`` (SIGKILL) or ``hang`` (SIGSTOP) of device ``rank``.
-
-    Pinned to ``step`` and ``phase``, or to ``at_s`` seconds after training starts.
-    """
+    """One injected fault (see the module doc); pinned to ``step`` and ``phase``, or at ``at_s``."""
 
     kind: str = "kill"
-    rank: int = 1
+    rank: int | None = 1
+    node: int | None = None
     step: int | None = None
     phase: str = "any"
     at_s: float | None = None
+    round: int | None = None
+    resume_after_s: float | None = None
+
+    def describe(self) -> str:
+        who = f"node {self.node}" if self.kind in NODE_KINDS else f"device {self.rank}"
+        when = f"at {self.at_s:g} s" if self.at_s is not None else f"in step {self.step}, phase {self.phase}"
+        return f"{self.kind} of {who} {when}"
 
 
 @dataclass
 class FailureConfig:
-    kind: str = "none"  # none | kill | hang | schedule | random
+    kind: str = "none"  # none | kill | hang | stall | error | device_error | node_kill | node_hang | schedule | random
     rank: int = 1
+    node: int = 1
     step: int = 5
-    phase: str = "any"  # forward | backward | sync | optimizer | recovery | any
+    phase: str = "any"
+    round: int | None = None  # phase=transfer: the round (default: the victim's first)
+    resume_after_s: float = 3.0  # node_hang: the agent is resumed (SIGCONT) this long after it stopped
     faults: list[FaultSpec] = field(default_factory=list)  # kind=schedule
-    mtbf_s: float = 30.0  # kind=random: mean time between faults over the whole job
-    max_faults: int = 1  # kind=random
+    mtbf_s: float = 6.0  # kind=random: mean time between faults over the whole job
+    max_faults: int = 2  # kind=random
+    kinds: list[str] = field(default_factory=lambda: ["kill"])  # kind=random: drawn uniformly
+    rejoin_after_s: float | None = None  # restart a lost worker process after this long (it re-joins)
     seed: int = 0
 
 
-def planned_faults(cfg: dict, *, world: int) -> list[FaultSpec]:
+def planned_faults(cfg: dict, *, world: int, nnodes: int = 1, nproc_per_node: int | None = None) -> list[FaultSpec]:
     """The faults a ``failure`` config asks for, validated.
 
     Raises:
         ValueError: naming the ``failure.*`` key and the fix.
     """
     kind = cfg["kind"]
-    if kind not in KINDS:
-        raise ValueError(f"failure.kind={kind!r}: use one of {', '.join(KINDS)}")
+    if kind not in CONFIG_KINDS:
+        raise ValueError(f"failure.kind={kind!r}: use one of {', '.join(CONFIG_KINDS)}")
     if kind == "none":
-        return []
-    if kind in ("kill", "hang"):
-        faults = [FaultSpec(kind=kind, rank=cfg["rank"], step=cfg["step"], phase=cfg["phase"])]
+        faults = []
+    elif kind in FAULT_KINDS:
+        faults = [FaultSpec(kind=kind, rank=cfg["rank"], node=cfg["node"], step=cfg["step"], phase=cfg["phase"],
+                            round=cfg.get("round"), resume_after_s=cfg.get("resume_after_s"))]
     elif kind == "schedule":
+        if not cfg["faults"]:
+            raise ValueError("failure=schedule with an empty failure.faults: list faults, or use failure=none")
         faults = [FaultSpec(**f) for f in cfg["faults"]]
     else:
-        rng = random.Random(cfg["seed"])
-        at, faults = 0.0, []
-        for _ in range(cfg["max_faults"]):
-            at += rng.expovariate(1.0 / cfg["mtbf_s"])
-            faults.append(FaultSpec(kind="kill", rank=rng.randrange(world), at_s=round(at, 3)))
-    for f in faults:
-        if not 0 <= f.rank < world:
-            raise ValueError(f"failure rank {f.rank} is not a worker (0..{world - 1}): set failure.rank in range")
-        if f.phase not in PHASES:
-            raise ValueError(f"failure.phase={f.phase!r}: use one of {', '.join(PHASES)}")
-        if f.kind not in ("kill", "hang"):
-            raise ValueError(f"failure fault kind {f.kind!r}: use kill or hang")
-        if f.step is None and f.at_s is None:
-            raise ValueError("a scheduled fault needs a step or at_s: set failure.faults[i].step")
+        faults = _random_faults(cfg, world=world, nnodes=nnodes)
+    for i, f in enumerate(faults):
+        _check_fault(f, key="failure" if kind != "schedule" else f"failure.faults[{i}]", world=world, nnodes=nnodes)
+    rejoin = cfg.get("rejoin_after_s")
+    if rejoin is not None and rejoin < 0:
+        raise ValueError(f"failure.rejoin_after_s={rejoin}: use null (never) or a delay ≥ 0")
     return faults
 
 
-def worker_side(faults: list[FaultSpec], device: int) -> list[FaultSpec]:
-    """The kills device ``device`` fires on itself (those pinned to a worker phase)."""
-    return [f for f in faults if f.rank == device and f.kind == "kill" and f.phase in WORKER_PHASES and f.step is not None]
+def _random_faults(cfg: dict, *, world: int, nnodes: int) -> list[FaultSpec]:
+    if cfg["mtbf_s"] <= 0 or cfg["max_faults"] < 0:
+        raise ValueError(f"failure.mtbf_s={cfg['mtbf_s']} / failure.max_faults={cfg['max_faults']}: must be > 0 and ≥ 0")
+    kinds = list(cfg["kinds"])
+    timed = [k for k in FAULT_KINDS if k not in MAIN_THREAD_KINDS]
+    if not kinds or any(k not in timed for k in kinds):
+        raise ValueError(f"failure.kinds={kinds}: random faults are fired from outside; pick from {', '.join(timed)}")
+    rng = random.Random(cfg["seed"])
+    at, faults = 0.0, []
+    for _ in range(cfg["max_faults"]):
+        at += rng.expovariate(1.0 / cfg["mtbf_s"])
+        kind = rng.choice(kinds)
+        if kind in NODE_KINDS:
+            faults.append(FaultSpec(kind=kind, rank=None, node=rng.randrange(1, nnodes) if nnodes > 1 else 1,
+                                    at_s=round(at, 3), resume_after_s=cfg.get("resume_after_s")))
+        else:
+            faults.append(FaultSpec(kind=kind, rank=rng.randrange(world), at_s=round(at, 3)))
+    return faults
 
 
-class SelfKill:
-    """Fires this worker's own phase-pinned kills; each fires at most once (the process dies).
+def _check_fault(f: FaultSpec, *, key: str, world: int, nnodes: int) -> None:
+    if f.kind not in FAULT_KINDS:
+        raise ValueError(f"{key}.kind={f.kind!r}: use one of {', '.join(FAULT_KINDS)}")
+    if f.kind in NODE_KINDS:
+        if nnodes < 2 or f.node is None or not 1 <= f.node < nnodes:
+            raise ValueError(
+                f"{key}.node={f.node}: a node fault needs a node other than node 0 (which hosts the controller) "
+                f"of launcher.nnodes={nnodes}: use 1..{nnodes - 1}" if nnodes > 1 else
+                f"{key}.kind={f.kind} needs several nodes (launcher.nnodes > 1); on one host use kill or hang"
+            )
+        if f.kind == "node_hang" and (f.resume_after_s is None or f.resume_after_s < 0):
+            raise ValueError(f"{key}.resume_after_s={f.resume_after_s}: a node_hang needs a delay ≥ 0 before SIGCONT")
+    elif f.rank is None or not 0 <= f.rank < world:
+        raise ValueError(f"{key}.rank={f.rank} is not a worker (0..{world - 1}): set it in range")
+    if f.phase not in PHASES:
+        raise ValueError(f"{key}.phase={f.phase!r}: use one of {', '.join(PHASES)}")
+    if f.step is None and f.at_s is None:
+        raise ValueError(f"{key} needs a step (with a phase) or at_s: set {key}.step")
+    if f.step is not None and f.step < 0 or f.at_s is not None and f.at_s < 0:
+        raise ValueError(f"{key}: step and at_s must be ≥ 0")
+    if f.phase in RECOVERY_PHASES + CONTROLLER_PHASES and f.step is None:
+        raise ValueError(f"{key}.phase={f.phase} belongs to the recovery resuming at a step: set {key}.step")
+    if f.phase == "decision" and f.kind != "kill":
+        raise ValueError(f"{key}: phase=decision fires from the controller and only kills: use kind=kill")
+    if f.kind in MAIN_THREAD_KINDS and (f.phase == "any" or f.at_s is not None):
+        raise ValueError(f"{key}.kind={f.kind} acts on the worker's own thread: pin it to a phase "
+                         "(forward, backward, sync, optimizer or a recovery phase), not phase=any or at_s")
 
-    ``announce(wall_time)`` is called just before, so the controller can time detection.
+
+def worker_faults(faults: list[FaultSpec]) -> list[FaultSpec]:
+    """The faults fired by workers themselves (pinned to a step and a worker's phase)."""
+    return [f for f in faults if f.step is not None and f.at_s is None and f.phase not in CONTROLLER_PHASES]
+
+
+def controller_faults(faults: list[FaultSpec]) -> list[FaultSpec]:
+    """The faults fired by the controller (at a wall-clock time, or during its decision)."""
+    return [f for f in faults if f not in worker_faults(faults)]
+
+
+class WorkerFaults:
+    """Fires one worker's pinned faults; shows every phase change on its beacon.
+
+    Args:
+        faults: every worker-fired fault of the job (node faults are fired by the
+            node's first device with a stage, see :meth:`node_firer`).
+        device: this worker's device.
+        beacon: this worker's beacon.
+        announce: ``announce(fault, position)`` is called just before a fault fires.
+        node_of: the node of a device.
+        agent_pid: this node's agent (the target of ``node_hang``).
     """
 
-    def __init__(self, faults: list[FaultSpec], *, announce: Callable[[float], None]):
-        self._at = {(f.step, f.phase) for f in faults}
-        self._announce = announce
+    def __init__(self, faults: list[FaultSpec], *, device: int, beacon: Beacon,
+                 announce: Callable[[FaultSpec, Position], None], node_of: Callable[[int], int], agent_pid: int):
+        self.device, self.beacon = device, beacon
+        self._announce, self._node_of, self._agent_pid = announce, node_of, agent_pid
+        self._mine = [f for f in faults if f.rank == device and f.kind in DEVICE_KINDS]
+        self._node = [f for f in faults if f.kind in NODE_KINDS and f.node == node_of(device)]
+        self._firer = True
+        self._generation = 0
+        self._resume = 0
+        self._timer: threading.Timer | None = None
+        self._fired: set[FaultSpec] = set()
+        self._rng = random.Random(device)
 
-    def __call__(self, step: int, phase: str) -> None:
-        if (step, phase) in self._at:
-            self._announce(time.time())
+    def enter(self, generation: int, *, resume_step: int, firer: bool) -> None:
+        """Start on a generation; ``firer``: this device fires its node's faults in it."""
+        self._generation, self._resume, self._firer = generation, resume_step, firer
+
+    def phase(self, phase: str, *, step: int, detail: int = -1) -> None:
+        """Enter beacon phase ``phase`` of ``step`` (a recovery phase: of the recovery resuming at ``step``).
+
+        ``rebuild`` with ``detail < 0`` starts a generation (fires ``recovery`` faults);
+        with ``detail ≥ 0`` the world group is connected (fires ``rebuild`` faults).
+        """
+        self.beacon.at(phase, step=step, generation=self._generation, detail=detail)
+        recovering = self._generation > 0 and step == self._resume
+        for f in self._armed():
+            if f.step != step:
+                continue
+            hit = f.phase == phase and phase in STEP_PHASES
+            hit |= recovering and phase == "rebuild" and f.phase == ("recovery" if detail < 0 else "rebuild")
+            hit |= recovering and f.phase == "transfer" and phase == "transfer" and f.round in (None, detail)
+            hit |= recovering and f.phase == "redo" and phase == "forward"
+            if hit:
+                self._fire(f)
+
+    def transfer_done(self, step: int) -> None:
+        """A transfer this device took no (or not that) round in still fires its pinned transfer fault."""
+        if self._generation > 0 and step == self._resume:
+            for f in self._armed():
+                if f.step == step and f.phase == "transfer":
+                    self._fire(f)
+
+    def step_started(self, step: int, typical_s: float) -> None:
+        """Arm ``phase=any`` faults of ``step``: a timer over the step's typical compute time."""
+        due = [f for f in self._armed() if f.step == step and f.phase == "any"]
+        if due:
+            delay = self._rng.uniform(0.0, typical_s)
+            self._timer = threading.Timer(delay, self._fire, args=(due[0],))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def step_synced(self) -> None:
+        """The step's compute is over: a pending ``any`` fault fires now, before the commit."""
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.is_alive():
+            timer.cancel()
+            self._fire(timer.args[0])
+
+    def _armed(self) -> list[FaultSpec]:
+        node = self._node if self._firer else []
+        return [f for f in self._mine + node if f not in self._fired]
+
+    def _fire(self, f: FaultSpec) -> None:
+        self._fired.add(f)
+        self._announce(f, self.beacon.position())
+        if f.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif f.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif f.kind == "stall":
+            threading.Event().wait()  # alive and heartbeating, never progressing
+        elif f.kind == "error":
+            raise RuntimeError(f"injected error ({f.describe()})")
+        elif f.kind == "device_error":
+            raise DeviceFault(f"injected device fault ({f.describe()})")
+        elif f.kind == "node_kill":
+            os.killpg(os.getpgid(self._agent_pid), signal.SIGKILL)
+        elif f.kind == "node_hang":
+            stop_and_resume(self._agent_pid, f.resume_after_s)
+
+
+def stop_and_resume(pid: int, after_s: float) -> None:
+    """SIGSTOP ``pid`` now and SIGCONT it ``after_s`` seconds later, from a detached helper process."""
+    subprocess.Popen(["sh", "-c", f"sleep {after_s}; kill -CONT {pid}"], start_new_session=True,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.kill(pid, signal.SIGSTOP)
+
+
+def node_firer(devices_with_stage: set[int], node_devices: list[int]) -> int:
+    """The device of a node that fires the node's pinned faults: its first with a stage, else its first."""
+    staged = [d for d in node_devices if d in devices_with_stage]
+    return (staged or node_devices)[0]
+
+
+def without(faults: list[FaultSpec], fired: list[FaultSpec]) -> list[FaultSpec]:
+    """``faults`` less those already fired (in an earlier launch of the same job)."""
+    return [f for f in faults if f not in fired]
+
+
+def as_record(f: FaultSpec) -> dict:
+    return {k: v for k, v in f.__dict__.items()}
+
+
+def from_record(d: dict) -> FaultSpec:
+    return replace(FaultSpec(), **d)
+
+
+def typical(durations: list[float], default: float) -> float:
+    """The median of recent durations (the last 20), or ``default`` before any."""
+    recent = sorted(durations[-20:])
+    return recent[len(recent) // 2] if recent else default
+
+
+
+class Injector:
+    """The faults the controller fires from outside: at a wall-clock time, or while it decides."""
+
+    def __init__(self, faults: list[FaultSpec]):
+        self.timed = sorted((f for f in faults if f.at_s is not None), key=lambda f: f.at_s)
+        self.in_decision = [f for f in faults if f.at_s is None and f.phase in CONTROLLER_PHASES]
+
+    def due(self, elapsed_s: float) -> list[FaultSpec]:
+        """Timed faults whose time came (each once)."""
+        due = [f for f in self.timed if f.at_s <= elapsed_s]
+        self.timed = self.timed[len(due):]
+        return due
+
+    def during_decision(self, step: int) -> list[FaultSpec]:
+        """Kills to fire while deciding on a fault at ``step`` (each once)."""
+        due = [f for f in self.in_decision if f.step == step]
+        self.in_decision = [f for f in self.in_decision if f not in due]
+        return due

@@ -16,7 +16,9 @@ kinds of traffic can never mismatch them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -135,14 +137,15 @@ def run_step(
     train: dict,
     rounds: SyncRounds,
     tp: TensorParallelOps | None,
-    on_phase=None,
+    on_phase: Callable[..., None] | None = None,
 ) -> StepResult:
     """Forward and backward of this device's actions, then the gradient sync (no optimizer step).
 
     The loss of every micro-batch is its summed token cross-entropy divided by
     ``global_batch · seq_len``, so gradients summed over pipelines equal the
-    single-process gradient of the mean loss. ``on_phase(step, phase)`` is called
-    at the start of each phase (fault injection hooks in there).
+    single-process gradient of the mean loss. ``on_phase(phase, step=, detail=)`` is
+    called as each forward/backward (detail: the micro-batch) and each sync round
+    starts: the worker's beacon and its fault injection hook in there.
     """
     me = gen.me
     first_micro = [r.start for r in micro_batch_ranges(plan)]
@@ -158,7 +161,7 @@ def run_step(
         t = executors(plan, p, s, i).index(me)
         if action.kind == "F":
             if on_phase is not None:
-                on_phase(step, "forward")
+                on_phase("forward", step=step, detail=i)
             ids = micro_batch_samples(
                 step, first_micro[p] + i, global_batch=train["global_batch"], micro_batch_size=plan.micro_batch_size
             )
@@ -168,7 +171,8 @@ def run_step(
                 x = tokens
             else:
                 x = torch.empty(hidden_shape, device=state.device)
-                gen.wait(gen.recv(x, executors(plan, p, s - 1, i)[t], tag=message_tag(p, s - 1, False)))
+                src = executors(plan, p, s - 1, i)[t]
+                gen.wait(gen.recv(x, src, tag=message_tag(p, s - 1, False)), peer=src)
                 x.requires_grad_(True)
             out = stage_forward(
                 state.params, model, x, layers=pipe.stages[s].layers, first=first, last=last, targets=targets if last else None, tp=tp,
@@ -183,30 +187,36 @@ def run_step(
             saved[(p, s, i)] = (x, out)
         else:
             if on_phase is not None:
-                on_phase(step, "backward")
+                on_phase("backward", step=step, detail=i)
             x, out = saved.pop((p, s, i))
             if last:
                 out.backward()
             else:
                 grad = torch.empty(hidden_shape, device=state.device)
-                gen.wait(gen.recv(grad, executors(plan, p, s + 1, i)[t], tag=message_tag(p, s + 1, True)))
+                src = executors(plan, p, s + 1, i)[t]
+                gen.wait(gen.recv(grad, src, tag=message_tag(p, s + 1, True)), peer=src)
                 out.backward(grad)
             if not first:
                 sends.append(gen.send(x.grad.contiguous(), executors(plan, p, s - 1, i)[t], tag=message_tag(p, s, True)))
     gen.wait(*sends)
-    if on_phase is not None:
-        on_phase(step, "sync")
-    sync_gradients(rounds, state=state, gen=gen)
+    sync_gradients(rounds, state=state, gen=gen, on_round=None if on_phase is None else partial(on_phase, "sync", step=step))
     return result
 
 
-def sync_gradients(rounds: SyncRounds, *, state: StageState, gen: Generation) -> None:
+def sync_gradients(
+    rounds: SyncRounds, *, state: StageState, gen: Generation, on_round: Callable[..., None] | None = None
+) -> None:
     """Sum every gradient over the devices holding the same shard, round by coloured round.
 
     Every device walks the same rounds in the same order; within a round the
     groups are device-disjoint, so this device is in at most one and reduces one bucket.
+    ``on_round(detail=r)`` is called as round ``r`` starts (before the first, even with no rounds).
     """
-    for groups in rounds:
+    if on_round is not None and not rounds:
+        on_round(detail=-1)
+    for r, groups in enumerate(rounds):
+        if on_round is not None:
+            on_round(detail=r)
         for sync in groups:
             if gen.me not in sync.devices:
                 continue

@@ -12,12 +12,14 @@ only read, never released, until the whole manifest is done.
 
 Sends, receives and waits go through ``links`` (the runtime's
 :class:`~chameleon.runtime.comm.Generation`), whose waits poll for faults: a
-fault abandons the transfer at once, and the caller keeps its old state.
+fault abandons the transfer at once, and the caller keeps its old state. Every
+buffer is stamped with the generation it belongs to; a receiver refuses state
+stamped with another (it could only come from a stale peer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
@@ -27,6 +29,8 @@ from chameleon.layout.relayout import Manifest, Move
 from chameleon.layout.spec import Region, local_slices, region_numel, region_shape
 
 
+class StaleTransfer(RuntimeError):
+    """State arrived stamped with another generation than the receiver's."""
 
 class PointToPoint(Protocol):
     """Tagged point-to-point ops between devices, and a wait that may raise to abandon."""
@@ -35,7 +39,7 @@ class PointToPoint(Protocol):
 
     def recv(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work: ...
 
-    def wait(self, *works: dist.Work) -> None: ...
+    def wait(self, *works: dist.Work, peer: int = ...) -> None: ...
 
 
 def execute_manifest(
@@ -45,6 +49,8 @@ def execute_manifest(
     state: Mapping[str, Mapping[str, torch.Tensor]],
     links: PointToPoint,
     dtype: torch.dtype = torch.float32,
+    stamp: int = 0,
+    on_round: Callable[[int], None] | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Run this device's part of ``manifest`` and return its state in the new layout.
 
@@ -59,12 +65,15 @@ def execute_manifest(
             passes the same kinds.
         links: sends and receives between devices; its ``wait`` raises to abandon.
         dtype: dtype of every state tensor.
+        stamp: the generation every buffer is stamped with and checked against.
+        on_round: called with the round's index as each round this device takes part in starts.
 
     Returns:
         Per kind, a new local shard of every tensor in ``manifest.after[me]``.
 
     Raises:
         ValueError: ``state`` does not match ``manifest.before[me]``.
+        StaleTransfer: a buffer came stamped with another generation.
     """
     before = manifest.before.get(me, {})
     kinds = sorted(state)
@@ -82,7 +91,7 @@ def execute_manifest(
         if move.dst == me:
             for kind in kinds:
                 _target(new[kind], after, move).copy_(_source(state[kind], before, move))
-    for moves in manifest.rounds:
+    for r, moves in enumerate(manifest.rounds):
         outgoing: dict[int, list[Move]] = {}
         incoming: dict[int, list[Move]] = {}
         for move in moves:
@@ -92,17 +101,23 @@ def execute_manifest(
                 incoming.setdefault(move.src, []).append(move)
         if not outgoing and not incoming:
             continue
+        if on_round is not None:
+            on_round(r)
+        header = torch.tensor([float(stamp)], dtype=dtype)
         works, received = [], []
         for dst, out in outgoing.items():
-            parts = [_source(state[kind], before, m).reshape(-1) for m in out for kind in kinds]
+            parts = [header] + [_source(state[kind], before, m).reshape(-1) for m in out for kind in kinds]
             works.append(links.send(torch.cat(parts), dst))
         for src, into in incoming.items():
-            buffer = torch.empty(sum(region_numel(m.region) for m in into) * len(kinds), dtype=dtype)
+            buffer = torch.empty(1 + sum(region_numel(m.region) for m in into) * len(kinds), dtype=dtype)
             works.append(links.recv(buffer, src))
-            received.append((buffer, into))
-        links.wait(*works)
-        for buffer, into in received:
-            offset = 0
+            received.append((buffer, src, into))
+        for work, peer in zip(works, [*outgoing, *(src for _, src, _ in received)]):
+            links.wait(work, peer=peer)
+        for buffer, src, into in received:
+            if buffer[0].item() != stamp:
+                raise StaleTransfer(f"device {src} sent state stamped generation {buffer[0].item():g}, not {stamp}")
+            offset = 1
             for m in into:
                 n = region_numel(m.region)
                 for kind in kinds:

@@ -1,19 +1,26 @@
 """A worker process: one device, its role in the current generation's plan, training step by step.
 
 Each generation starts from a :class:`GenerationSpec` the controller publishes in
-the store: the plan, the devices in rank order, the step to resume at, and how
-state reaches its new layout (a re-layout manifest executed from surviving
+the store: the plan, its members (devices, in rank order), the step to resume at,
+and how state reaches its new layout (a re-layout manifest executed from surviving
 replicas, or a checkpoint). A step is a transaction — forward/backward → gradient
 sync → *commit* (set by the controller once every worker synced) → optimizer
 step — so a fault before the commit discards the step everywhere, and it is redone
-with the same samples. On a fault the worker abandons the generation (its groups
-are never reused), keeps its last committed state, and waits for the next spec.
+with the same samples. The commit carries the controller's order for after the step:
+go on, save a checkpoint, stop, or move to a grown generation.
+
+On a peer's fault the worker abandons the generation (its groups are never reused),
+keeps its last committed state, and waits for the next spec. Any other error is
+reported to the controller with its traceback, and the process exits. The worker
+talks to its node agent over a pipe, shows where it is on a shared-memory beacon,
+and exits by itself, with one line, when its agent or the controller is gone.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import sys
 import threading
 import time
 import traceback
@@ -24,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from chameleon.config import model_config, world_size
+from chameleon.config import model_config
 from chameleon.data.stream import SampleStream
 from chameleon.layout.colouring import sync_rounds
 from chameleon.layout.plan import Plan
@@ -32,27 +39,35 @@ from chameleon.layout.relayout import Manifest
 from chameleon.layout.spec import layout_of
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import MegatronTP, param_shapes, stage_param_names
+from chameleon.runtime.beacon import Beacon
 from chameleon.runtime.checkpoint import CheckpointWriter, checkpoint_root, latest_checkpoint, load_regions, writers
-from chameleon.runtime.comm import BACKENDS, Generation, PeerFailure, connect_store
-from chameleon.runtime.device import prepare_device
-from chameleon.runtime.faults import SelfKill, planned_faults, worker_side
+from chameleon.runtime.comm import ABANDONED, BACKENDS, Generation, PeerFailure, connect_store
+from chameleon.runtime.device import is_device_fault, prepare_device
+from chameleon.runtime.faults import NODE_KINDS, FaultSpec, WorkerFaults, node_firer, typical
+from chameleon.runtime.errors import ControllerLost
+from chameleon.runtime.messages import CheckpointSaved, Done, Dying, Failed, FinalShards, Left, Ready, Standby, Synced
 from chameleon.runtime.schedule import run_step, step_actions
 from chameleon.runtime.stage import StageState, role_of, stage_regions
 from chameleon.runtime.transfer import execute_manifest
 
 HEARTBEAT_S = 0.1
 POLL_S = 0.0005
+LIVENESS_CHECK_S = 1.0
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker process needs at start; picklable for the spawn start method."""
+    """Everything a worker process needs at start; picklable for the forkserver start method."""
 
     device: int
     store_host: str
     store_port: int
     config: dict
     run_dir: str
+    node_addr: str | None
+    nproc_per_node: int
+    faults: tuple[FaultSpec, ...]
+    agent_pid: int
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,15 @@ class GenerationSpec:
     checkpoint: str | None = None
 
 
+@dataclass(frozen=True)
+class CommitOrder:
+    """What workers do after a committed step: save a checkpoint, then go on, stop, or switch generation."""
+
+    save: bool = False
+    stop: bool = False
+    switch_to: int | None = None
+
+
 def spec_key(generation: int) -> str:
     return f"gen{generation}/spec"
 
@@ -79,77 +103,194 @@ def commit_key(generation: int, step: int) -> str:
     return f"gen{generation}/commit/{step}"
 
 
+def node_dying_key(node: int) -> str:
+    """Where a worker leaves word before it takes its whole node down (the node's agent dies with it)."""
+    return f"dying/node{node}"
+
+
 LATEST_KEY = "latest_generation"
+END_KEY = "job/end"
+ALIVE_KEY = "controller/alive"
 
 
-class _Link:
-    """The pipe to the controller, shared by the main and heartbeat threads."""
+class _Uplink:
+    """The pipe to this node's agent; a broken pipe means the agent is gone."""
 
     def __init__(self, conn: Connection, device: int):
         self.conn, self.device = conn, device
         self._lock = threading.Lock()
 
-    def send(self, kind: str, *payload) -> None:
-        with self._lock:
-            self.conn.send((kind, self.device, *payload))
+    def send(self, message: object) -> None:
+        try:
+            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            with self._lock:
+                self.conn.send_bytes(data)
+        except OSError:
+            _quit(self.device, "its node agent is gone")
 
-    def heartbeat_forever(self) -> None:
-        while True:
-            time.sleep(HEARTBEAT_S)
-            self.send("hb")
 
-
-def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """Process entry point: train through faults, report, exit; an unexpected error is sent first."""
-    link = _Link(conn, spec.device)
+def worker_main(spec: WorkerSpec, conn: Connection, lifeline: Connection, beacon_words) -> None:
+    """Process entry point: train through faults, report, exit; an error is reported first."""
+    uplink, beacon = _Uplink(conn, spec.device), Beacon(beacon_words)
+    threading.Thread(target=_heartbeat, args=(beacon, lifeline, spec.device), name="heartbeat", daemon=True).start()
     try:
-        _run(spec, link)
-    except BaseException:  # noqa: BLE001 - everything is reported, then the process dies
-        link.send("error", traceback.format_exc())
-        conn.close()
+        _run(spec, uplink, beacon)
+    except ControllerLost as err:
+        _quit(spec.device, str(err))
+    except BaseException as err:  # noqa: BLE001 - everything is reported, then the process dies
+        uplink.send(Failed(spec.device, beacon.position().generation, f"{type(err).__name__}: {err}",
+                           traceback.format_exc(), beacon.position(), device_fault=is_device_fault(err)))
         os._exit(1)
-    conn.close()
     os._exit(0)  # abandoned generations hold threads blocked on dead peers: never join them
 
 
-def _run(spec: WorkerSpec, link: _Link) -> None:
-    cfg = spec.config
+def _heartbeat(beacon: Beacon, lifeline: Connection, device: int) -> None:
+    """Show the agent this process is scheduled; leave at once if the agent is gone."""
+    while True:
+        beacon.beat()
+        if lifeline.poll():  # only EOF ever arrives: the agent exited
+            _quit(device, "its node agent is gone")
+        time.sleep(HEARTBEAT_S)
+
+
+def _quit(device: int, why: str) -> None:
+    print(f"chameleon worker {device}: {why}; exiting", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+class _Controller:
+    """The worker's view of the controller's store: specs, start and commit keys, and its liveness."""
+
+    def __init__(self, store, *, timeout_s: float):
+        self.store, self.timeout_s = store, timeout_s
+        self._alive, self._alive_seen, self._checked = b"", time.monotonic(), 0.0
+
+    def check(self, keys: list[str]) -> bool:
+        try:
+            return self.store.check(keys)
+        except RuntimeError as err:
+            raise ControllerLost(f"the controller's store is unreachable ({err})") from err
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self.store.get(key)
+        except RuntimeError as err:
+            raise ControllerLost(f"the controller's store is unreachable ({err})") from err
+
+    def alive(self) -> None:
+        """Raise :class:`ControllerLost` when the controller's liveness key stood still for ``timeout_s``."""
+        now = time.monotonic()
+        if now - self._checked < LIVENESS_CHECK_S:
+            return
+        self._checked = now
+        value = self.get(ALIVE_KEY) if self.check([ALIVE_KEY]) else b""
+        if value != self._alive:
+            self._alive, self._alive_seen = value, now
+        elif now - self._alive_seen > self.timeout_s:
+            raise ControllerLost(f"no word from the controller for {self.timeout_s:.0f} s")
+
+    def await_key(self, key: str, gen: Generation) -> bytes:
+        """Wait for ``key``; a fault flagged first raises, unless ``key`` was set before it."""
+        while not self.check([key]):
+            try:
+                gen.check()
+            except PeerFailure:
+                if self.check([key]):  # the controller sets the key before it flags a later fault
+                    break
+                raise
+            self.alive()
+            time.sleep(POLL_S)
+        return self.get(key)
+
+    def next_spec(self, after: int, me: int, *, was_member: bool, standby) -> GenerationSpec | None:
+        """The newest spec from generation ``after`` on that includes ``me``.
+
+        None when the job ended, or when ``me`` was a member and has been left out
+        (fenced: the controller declared it lost). A device never yet a member
+        waits, calling ``standby(generation)`` once.
+        """
+        announced = False
+        while True:
+            if self.check([END_KEY]):
+                return None
+            if self.check([LATEST_KEY]) and (latest := int(self.get(LATEST_KEY))) >= after:
+                spec: GenerationSpec = pickle.loads(self.get(spec_key(latest)))
+                if me in spec.devices:
+                    return spec
+                if was_member:
+                    return None
+                if not announced:
+                    standby(latest)
+                    announced = True
+                after = latest + 1
+            self.alive()
+            time.sleep(POLL_S * 10)
+
+
+def _run(spec: WorkerSpec, uplink: _Uplink, beacon: Beacon) -> None:
+    cfg, me = spec.config, spec.device
     launcher, train = cfg["launcher"], cfg["train"]
     torch.set_num_threads(launcher["threads_per_worker"])
-    device = prepare_device(launcher["device"], local_rank=spec.device)
+    device = prepare_device(launcher["device"], local_rank=me % spec.nproc_per_node)
     model = model_config(cfg)
     rendezvous = partial(connect_store, spec.store_host, spec.store_port, timeout_s=launcher["timeout_s"])
-    store = rendezvous()
+    control = _Controller(rendezvous(), timeout_s=launcher["timeout_s"])
     stream = SampleStream.from_config(path=cfg["data"]["path"], seq_len=train["seq_len"], seed=train["seed"])
-    faults = worker_side(planned_faults(cfg["failure"], world=world_size(launcher)), spec.device)
-    inject = SelfKill(faults, announce=partial(link.send, "dying"))
-    threading.Thread(target=link.heartbeat_forever, name="heartbeat", daemon=True).start()
-    generation, state = 0, None
+    def announce(fault: FaultSpec, where) -> None:
+        dying = Dying(me, where.generation, fault, time.time(), where)
+        if fault.kind in NODE_KINDS:
+            control.store.set(node_dying_key(me // spec.nproc_per_node), pickle.dumps(dying))
+        uplink.send(dying)
+
+    faults = WorkerFaults(list(spec.faults), device=me, beacon=beacon, node_of=lambda d: d // spec.nproc_per_node,
+                          announce=announce, agent_pid=spec.agent_pid)
+    confirm_s = 2 * cfg["ft"]["heartbeat_timeout_s"] + 1.0
+    state: StageState | None = None
+    generation, member, compute_s = 0, False, []
     while True:
-        gen_spec: GenerationSpec = pickle.loads(_wait_key(store, spec_key(generation)))
-        if spec.device not in gen_spec.devices:
+        beacon.at("standby")
+        gen_spec = control.next_spec(generation, me, was_member=member,
+                                     standby=lambda g: uplink.send(Standby(me, g)))
+        if gen_spec is None:
             break
-        if generation > 0:
-            inject(gen_spec.resume_step, "recovery")
+        generation, member, resume = gen_spec.generation, True, gen_spec.resume_step
+        node = [d for d in gen_spec.devices if d // spec.nproc_per_node == me // spec.nproc_per_node]
+        faults.enter(generation, resume_step=resume, firer=node_firer(set(gen_spec.plan.devices), node) == me)
         gen = None
         try:
+            faults.phase("rebuild", step=resume)
             gen = Generation(
-                store, connect_store=rendezvous, generation=generation, devices=gen_spec.devices, me=spec.device,
+                control.store, connect_store=rendezvous, generation=generation, devices=gen_spec.devices, me=me,
                 backend=BACKENDS[launcher["device"]], timeout_s=launcher["timeout_s"], groups=_group_sets(model, gen_spec.plan),
+                host=spec.node_addr, confirm_s=confirm_s, beacon=beacon,
+                on_connect=partial(faults.phase, "rebuild", step=resume, detail=1),
             )
-            established = _establish(gen_spec, state, gen=gen, model=model, cfg=cfg, device=device)
-            link.send("ready", generation)
-            _await(gen, start_key(generation))
+            established = _establish(gen_spec, state, gen=gen, model=model, cfg=cfg, device=device, faults=faults)
+            faults.phase("ready", step=resume)
+            uplink.send(Ready(me, generation))
+            control.await_key(start_key(generation), gen)
             state = established
-            _train(gen_spec, state, gen=gen, model=model, cfg=cfg, stream=stream, link=link, inject=inject, run_dir=spec.run_dir)
+            order = _train(gen_spec, state, gen=gen, model=model, cfg=cfg, stream=stream, uplink=uplink,
+                           faults=faults, control=control, compute_s=compute_s, run_dir=spec.run_dir)
         except PeerFailure as err:
+            if state is not None:
+                state.discard_gradients()
             if gen is not None:
                 gen.abandon()
-            link.send("aborted", generation, str(err))
-            generation = _next_generation(store, generation)
+            uplink.send(Left(me, generation, str(err)))
+            generation += 1
             continue
+        ABANDONED.append(gen)  # left in good order, but never torn down: peers may still hold it
+        if order is not None and order.switch_to is not None:
+            generation = order.switch_to
+            continue
+        if order is None and state is not None and cfg["output"]["save_params"]:
+            layout = layout_of(gen_spec.plan, param_shapes(model), partial(stage_param_names, model))
+            mine = {n: shard for n, shard in state.shards().items() if me in layout[n].holders[0].devices}
+            uplink.send(FinalShards(me, generation, mine))
         break
-    link.send("done")
+    beacon.at("done")
+    uplink.send(Done(me, generation))
 
 
 def _group_sets(model: ModelConfig, plan: Plan) -> list[tuple[int, ...]]:
@@ -160,80 +301,100 @@ def _group_sets(model: ModelConfig, plan: Plan) -> list[tuple[int, ...]]:
     return sets
 
 
-def _establish(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generation, model, cfg, device) -> StageState | None:
+def _establish(
+    gen_spec: GenerationSpec, state: StageState | None, *, gen: Generation, model, cfg, device, faults: WorkerFaults
+) -> StageState | None:
     """This device's state in the generation's layout: fresh, re-laid-out from replicas, or from a checkpoint.
 
     The old state is left untouched, so an abandoned recovery falls back to it.
     """
-    train = cfg["train"]
+    train, resume = cfg["train"], gen_spec.resume_step
     role = role_of(gen_spec.plan, gen.me)
     if gen_spec.manifest is not None:
         held = state.tensors() if state is not None else {k: {} for k in ("param", "exp_avg", "exp_avg_sq")}
-        moved = execute_manifest(gen_spec.manifest, me=gen.me, state=held, links=gen)
+        moved = execute_manifest(gen_spec.manifest, me=gen.me, state=held, links=gen, stamp=gen.generation,
+                                 on_round=lambda r: faults.phase("transfer", step=resume, detail=r))
+        faults.transfer_done(resume)
         if role is None:
             return None
         regions = stage_regions(model, role, param_shapes(model))
-        return StageState.from_tensors(moved, regions, committed_steps=gen_spec.resume_step, train=train, device=device)
+        return StageState.from_tensors(moved, regions, committed_steps=resume, train=train, device=device)
     if role is None:
         return None
     if gen_spec.checkpoint is not None:
+        faults.phase("transfer", step=resume)
         regions = stage_regions(model, role, param_shapes(model))
         info = latest_checkpoint(Path(gen_spec.checkpoint))
-        loaded = gen.call(partial(load_regions, info, regions))
+        loaded = gen.call(partial(load_regions, info, regions), peer_errors=False)
         return StageState.from_tensors(loaded, regions, committed_steps=info.committed_steps, train=train, device=device)
     return StageState.create(model, role, seed=train["seed"], train=train, device=device)
 
 
-def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen, model, cfg, stream, link, inject, run_dir) -> None:
-    """Train from the resume step to the last step; a fault raises :class:`PeerFailure`."""
+def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generation, model, cfg, stream, uplink,
+           faults: WorkerFaults, control: _Controller, compute_s: list[float], run_dir: str) -> CommitOrder | None:
+    """Train from the resume step; return the order that ended the generation early, None at the last step.
+
+    A fault raises :class:`PeerFailure`. Devices without a stage wait for the order that ends the generation.
+    """
+    train, plan, me = cfg["train"], gen_spec.plan, gen.me
     if state is None:
-        return
-    train, plan = cfg["train"], gen_spec.plan
-    role = role_of(plan, gen.me)
+        return _idle(gen_spec, gen=gen, control=control, steps=train["steps"])
+    role = role_of(plan, me)
     layout = layout_of(plan, param_shapes(model), partial(stage_param_names, model))
     rounds = sync_rounds(layout)
     tp = MegatronTP(partial(gen.all_reduce, members=role.spec.devices)) if role.spec.tp > 1 else None
-    actions = step_actions(plan)[gen.me]
-    saver = _Saver(cfg, layout, gen=gen, link=link, run_dir=run_dir)
+    actions = step_actions(plan)[me]
+    saver = _Saver(cfg, layout, gen=gen, uplink=uplink, run_dir=run_dir)
     for step in range(gen_spec.resume_step, train["steps"]):
+        faults.step_started(step, typical(compute_s, 0.05))
         start = time.perf_counter()
         try:
             result = run_step(
                 step, plan=plan, actions=actions, state=state, stream=stream, gen=gen, model=model, train=train,
-                rounds=rounds, tp=tp, on_phase=inject,
+                rounds=rounds, tp=tp, on_phase=faults.phase,
             )
+            compute_s.append(time.perf_counter() - start)
+            faults.step_synced()
+            uplink.send(Synced(me, gen.generation, step, result.loss_sum, tuple(result.sample_ids), compute_s[-1]))
+            faults.phase("commit", step=step)
+            order: CommitOrder = pickle.loads(control.await_key(commit_key(gen.generation, step), gen))
         except PeerFailure:
             state.discard_gradients()
             raise
-        link.send("synced", gen.generation, step, result.loss_sum, result.sample_ids, time.perf_counter() - start)
-        try:
-            _await(gen, commit_key(gen.generation, step))
-        except PeerFailure:
-            state.discard_gradients()
-            raise
-        inject(step, "optimizer")
+        faults.phase("optimizer", step=step)
         state.optimizer_step()
-        saver.after_step(step + 1, state)
+        saver.after_step(step + 1, state, force=order.save)
+        if order.stop or order.switch_to is not None:
+            saver.finish()
+            return order
     saver.finish()
-    if cfg["output"]["save_params"]:
-        mine = {n: shard for n, shard in state.shards().items() if gen.me in layout[n].holders[0].devices}
-        params_dir = Path(run_dir) / ".params"
-        params_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(mine, params_dir / f"device{gen.me}.pt")
+    return None
+
+
+def _idle(gen_spec: GenerationSpec, *, gen: Generation, control: _Controller, steps: int) -> CommitOrder | None:
+    """A member without a stage: follow the commits until one ends the generation, or the last step."""
+    for step in range(gen_spec.resume_step, steps):
+        order: CommitOrder = pickle.loads(control.await_key(commit_key(gen.generation, step), gen))
+        if order.stop or order.switch_to is not None:
+            return order
+    return None
 
 
 class _Saver:
-    """Periodic asynchronous checkpoints of the regions this device writes (``ckpt.interval``)."""
+    """Asynchronous checkpoints of the regions this device writes: every ``ckpt.interval`` steps, or on order."""
 
-    def __init__(self, cfg: dict, layout, *, gen: Generation, link: _Link, run_dir: str):
-        self.interval, self.link, self.generation = cfg["ckpt"]["interval"], link, gen.generation
-        self.regions = writers(layout).get(gen.me, {}) if self.interval else {}
-        self.writer = CheckpointWriter(checkpoint_root(cfg["ckpt"], run_dir), device=gen.me) if self.regions else None
+    def __init__(self, cfg: dict, layout, *, gen: Generation, uplink: _Uplink, run_dir: str):
+        self.interval, self.uplink, self.generation = cfg["ckpt"]["interval"], uplink, gen.generation
+        self.device = gen.me
+        self.regions = writers(layout).get(gen.me, {})
+        root = checkpoint_root(cfg["ckpt"], run_dir)
+        self.writer = CheckpointWriter(root, device=gen.me, generation=gen.generation) if self.regions else None
         self.in_flight: int | None = None
 
-    def after_step(self, committed_steps: int, state: StageState) -> None:
+    def after_step(self, committed_steps: int, state: StageState, *, force: bool) -> None:
         self._report()
-        if self.writer is not None and committed_steps % self.interval == 0:
+        due = force or (self.interval and committed_steps % self.interval == 0)
+        if self.writer is not None and due:
             self.writer.wait()
             self._report()
             held = state.tensors()
@@ -249,33 +410,5 @@ class _Saver:
     def _report(self) -> None:
         if self.in_flight is not None and not self.writer.pending:
             self.writer.wait()
-            self.link.send("ckpt_saved", self.generation, self.in_flight)
+            self.uplink.send(CheckpointSaved(self.device, self.generation, self.in_flight))
             self.in_flight = None
-
-
-def _await(gen: Generation, key: str) -> None:
-    """Wait for the controller to set ``key``; a fault flagged first raises, unless ``key`` was set before it."""
-    while not gen.store.check([key]):
-        try:
-            gen.check()
-        except PeerFailure:
-            if gen.store.check([key]):  # the controller sets the key before it flags a later fault
-                return
-            raise
-        time.sleep(POLL_S)
-
-
-def _wait_key(store, key: str) -> bytes:
-    while not store.check([key]):
-        time.sleep(POLL_S)
-    return store.get(key)
-
-
-def _next_generation(store, generation: int) -> int:
-    """The newest generation the controller published after ``generation``."""
-    while True:
-        if store.check([LATEST_KEY]):
-            latest = int(store.get(LATEST_KEY))
-            if latest > generation:
-                return latest
-        time.sleep(POLL_S)

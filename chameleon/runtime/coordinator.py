@@ -1,0 +1,117 @@
+"""The recovery coordinator: a fault or a re-join → a decision → the next generation's plan and manifest.
+
+It calls the decision centre (selector, planner, estimator) and the layout code
+only; it touches no process and no store. The controller publishes what it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from chameleon.decision.estimator import estimate_step
+from chameleon.decision.planner import Planner
+from chameleon.decision.profiler import Profile
+from chameleon.decision.config import PolicyConfig
+from chameleon.decision.selector import Decision, decide, decide_growth
+from chameleon.layout.plan import Plan
+from chameleon.layout.relayout import Manifest, relayout
+from chameleon.layout.spec import Layout, layout_of
+from chameleon.model.config import ModelConfig
+from chameleon.model.llama import param_shapes, stage_param_names
+from chameleon.runtime.checkpoint import writers
+from chameleon.runtime.errors import TrainingError
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """The newest complete checkpoint: its committed steps, when that step committed, and its root."""
+
+    committed_steps: int
+    committed_at: float
+    root: Path
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A decided move to a new generation: its plan, where it resumes, and how state gets there."""
+
+    decision: Decision
+    plan: Plan
+    members: tuple[int, ...]
+    resume_step: int
+    manifest: Manifest | None
+    checkpoint: str | None
+    estimated_step_s: float
+
+    @property
+    def transition_s(self) -> float:
+        return self.decision.chosen.transition if self.decision.chosen else 0.0
+
+
+class Coordinator:
+    """Turns faults and re-joins into generations (see the module doc)."""
+
+    def __init__(self, *, model: ModelConfig, profile: Profile, planner: Planner, policy: PolicyConfig):
+        self.profile, self.planner, self.policy = profile, planner, policy
+        self.shapes = param_shapes(model)
+        self._stage_names = partial(stage_param_names, model)
+
+    def layout(self, plan: Plan) -> Layout:
+        return layout_of(plan, self.shapes, self._stage_names)
+
+    def writers(self, plan: Plan) -> tuple[int, ...]:
+        """The devices that write checkpoints under ``plan``."""
+        return tuple(sorted(writers(self.layout(plan))))
+
+    def step_estimate(self, plan: Plan) -> float:
+        return estimate_step(self.profile, plan, reroute_slots=self.policy.reroute_slots).t_step
+
+    def recover(
+        self, resident: Plan, *, alive: set[int], next_step: int, saved: SavedState | None, now: float,
+        fault_times: list[float], elapsed_s: float, precomputed: Plan | None, fresh: str | None = None,
+    ) -> Transition:
+        """The generation after losing every device of ``resident`` not in ``alive``.
+
+        ``fresh`` (not None) when no generation has started yet: survivors hold no state
+        to move, so the new plan starts as the job does — from the checkpoint ``fresh``
+        names, or from initialisation when it is empty.
+
+        Raises:
+            TrainingError: no candidate is feasible (every replica of some layer lost, no checkpoint).
+        """
+        failed = set(resident.devices) - alive
+        age = now - saved.committed_at if saved else None
+        decision = decide(
+            self.profile, resident, failed, policy=self.policy, planner=self.planner, precomputed=precomputed,
+            fault_times=fault_times, elapsed_s=elapsed_s, checkpoint_age_s=age, in_process=True,
+        )
+        chosen = decision.chosen
+        if chosen is None:
+            raise TrainingError(f"no recovery is possible after losing devices {sorted(failed)}: {decision.note}")
+        if chosen.name == "checkpoint":
+            return self._transition(decision, chosen.plan, alive, saved.committed_steps, None, str(saved.root))
+        if fresh is not None:
+            return self._transition(decision, chosen.plan, alive, next_step, None, fresh or None)
+        manifest = relayout(self.layout(resident), self.layout(chosen.plan), survivors=sorted(alive))
+        return self._transition(decision, chosen.plan, alive, next_step, manifest, None)
+
+    def grow(self, resident: Plan, *, alive: set[int], joining: set[int], next_step: int,
+             fault_times: list[float], elapsed_s: float) -> Transition | Decision:
+        """The grown generation when taking ``joining`` devices in pays (Eq. 8), else the decision to stay."""
+        tp = max(st.tp for p in resident.pipelines for st in p.stages if st.devices)
+        ordered = sorted(joining)
+        units = [tuple(ordered[i:i + tp]) for i in range(0, len(ordered) - len(ordered) % tp, tp)]
+        decision = decide_growth(self.profile, resident, units, policy=self.policy, planner=self.planner,
+                                 fault_times=fault_times, elapsed_s=elapsed_s)
+        if decision.choice != "grow":
+            return decision
+        members = alive | set(d for unit in units for d in unit)
+        plan = decision.chosen.plan
+        manifest = relayout(self.layout(resident), self.layout(plan), survivors=sorted(members))
+        return self._transition(decision, plan, members, next_step, manifest, None)
+
+    def _transition(self, decision, plan, members, resume_step, manifest, checkpoint) -> Transition:
+        return Transition(decision, plan, tuple(sorted(members)), resume_step, manifest, checkpoint,
+                          self.step_estimate(plan))
