@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from chameleon.report.compare import mismatches
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
 
 
@@ -72,10 +74,13 @@ def run_entry(entry: str, run_dir: Path, *overrides: str, timeout: float = 240, 
     return Run(proc.returncode, out, err, run_dir, proc.pid)
 
 
-def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest per-tensor ``‖a − b‖ / ‖b‖`` over the union of names (missing names fail)."""
-    assert a.keys() == b.keys()
-    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
+def assert_nothing_lost(run: Run, reference: Run, *, drift: float = 0.0) -> dict:
+    """The run ended well, lost and redid nothing (chameleon/report/compare.py), and left no process behind."""
+    assert run.returncode == 0, run.stderr
+    got = run.summary
+    assert not mismatches(got, run.params, reference.summary, reference.params, drift=drift)
+    assert not run.leftover_workers()
+    return got
 
 
 @pytest.fixture(scope="session")

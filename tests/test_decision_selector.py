@@ -9,7 +9,7 @@ import pytest
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.planner import Planner
 from chameleon.decision.selector import decide, estimate_d, reroute_plan, score
-from chameleon.layout.plan import PlanError, even_plan
+from chameleon.layout.plan import PlanError, even_plan, validate_plan
 from tests.test_decision_estimator import tiny_profile
 
 
@@ -69,3 +69,25 @@ def test_forced_policy_goes_through_the_same_machinery():
         assert d.choice == name and d.note == ""
     d = decide(prof, plan, {5}, policy=PolicyConfig(name="checkpoint", fixed_d_s=1e6), planner=Planner(prof))
     assert d.choice != "checkpoint" and "infeasible" in d.note
+
+
+@pytest.mark.parametrize("pp", [3, 4])
+def test_every_pair_of_simultaneous_losses_gets_a_decision_never_an_error(pp):
+    """Two devices lost at once, anywhere in a dp2 plan of 3 or 4 stages: every candidate is built or refused with
+    its reason, a feasible plan covers every layer once per pipeline, and the choice exists when a replica does."""
+    profile = tiny_profile(n_layers=8)
+    plan = even_plan(dp=2, pp=pp, tp=1, n_layers=8, global_batch=8, micro_batch=1)
+    planner = Planner(profile)
+    devices = plan.devices
+    for i, a in enumerate(devices):
+        for b in devices[i + 1:]:
+            decision = decide(profile, plan, {a, b}, policy=PolicyConfig(), planner=planner, checkpoint_age_s=30.0)
+            for c in decision.candidates:
+                assert c.feasible or c.why, (a, b, c.name)
+                if c.feasible:
+                    validate_plan(c.plan)
+                    assert not {a, b} & set(c.plan.devices)
+            if a % pp == b % pp:  # both replicas of one stage: only the checkpoint restores it
+                assert decision.choice == "checkpoint"
+            else:
+                assert decision.choice in {"reroute", "dynamic", "redundant", "checkpoint"}

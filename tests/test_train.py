@@ -14,7 +14,8 @@ from hydra import compose, initialize_config_dir
 from chameleon.config import CONF_DIR, register_configs
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import init_params, param_count
-from conftest import ENV, SMALL_RUN, relative_difference, run_entry
+from chameleon.report.compare import relative_difference
+from conftest import ENV, SMALL_RUN, run_entry
 
 TOLERANCE = 1e-5  # relative, fp32: only floating-point reassociation differs between layouts
 

@@ -332,7 +332,8 @@ def decide_growth(
 ) -> Decision:
     """Whether devices that came back should join: ``stay`` on ``plan`` or ``grow`` onto the planner's best
     plan over every stage unit, by the same Eq. 8 reasoning as a fault (the transition against faster
-    steps until the next fault). Ties stay.
+    steps until the next fault). Ties stay. A forced ``policy.name`` always grows back when it can, as the
+    systems it stands for heal whenever devices return.
 
     Args:
         joining: the returning devices as stage units (TP groups).
@@ -349,6 +350,7 @@ def decide_growth(
         return _finish("grow", profile, result.plan, parts, **common)
 
     cands = (stay, _built("grow", grow))
-    best = max((c for c in cands if c.feasible), key=lambda c: (c.score, c.name == "stay"))
+    feasible = [c for c in cands if c.feasible and (policy.name == "chameleon" or c.name == "grow")] or [stay]
+    best = max(feasible, key=lambda c: (c.score, c.name == "stay"))
     joined = sorted(d for unit in joining for d in unit)
     return Decision(policy.name, tuple(joined), d_s, source, best.name, cands, f"devices {joined} returned")

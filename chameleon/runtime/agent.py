@@ -87,6 +87,9 @@ class Agent:
         self.faults: dict[int, tuple[FaultSpec, ...]] = {}
         self.restarts: dict[int, float] = {}
         self.generation = 0
+        # Workers report their own failures in one line; c10d's C++ warnings (a stack trace for every
+        # connection a dead peer closed) would bury them. The forkserver inherits this at its start.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(["torch", "chameleon.runtime.worker"])
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chameleon-spawn")
@@ -257,7 +260,9 @@ def serve(config: dict, *, node: int, master_addr: str, control_port: int, key: 
 
     Registers with the controller, starts the workers it is given, relays, renews
     its lease; fences and registers again after losing the controller's contact.
+    SIGTERM is ignored: on preemption the controller saves a checkpoint and ends the job.
     """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     returning, lease_s = False, 2 * config["ft"]["heartbeat_timeout_s"]
     deadline = time.monotonic() + join_timeout_s
     while True:

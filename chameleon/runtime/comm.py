@@ -164,7 +164,7 @@ class Generation:
         try:
             return self.store.check([self._fault])
         except RuntimeError as err:
-            raise ControllerLost(f"the controller's store is unreachable: {err}") from err
+            raise ControllerLost("the controller is gone (its store closed the connection)") from err
 
     def check(self) -> None:
         """Raise :class:`PeerFailure` if the controller flagged a fault in this generation."""

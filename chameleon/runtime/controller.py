@@ -683,23 +683,27 @@ class Controller:
             self._on_fault(set(stall.stuck), f"no progress for {quiet:.1f} s while alive and heartbeating (stalled; "
                            "fenced with SIGKILL)", t_fault=time.time() - quiet, where=where, source="progress watchdog")
             return
+        if stall.suspects:  # still for less than the bound so far: proven stuck, or moving again, soon
+            return
         raise TrainingError(
             f"no step committed for {quiet:.0f} s (bound {bound:.0f} s) and no device is stuck on its own; "
             f"devices that have not reported: {stall.describe() or 'none'}"
         )
 
     def _stall_bound(self) -> float:
-        """How long the job may go without progress: ``ft.stall_timeout_s``, else derived from the step time."""
-        if self.ft["stall_timeout_s"] is not None:
-            return self.ft["stall_timeout_s"]
-        expected = self.coordinator.step_estimate(self.resident)
-        if self.step_times:
-            recent = sorted(self.step_times.values())[-20:]
-            expected = max(expected, recent[len(recent) // 2])
-        bound = max(self.ft["stall_min_s"], self.ft["stall_factor"] * expected)
-        if not self.ledger.started:  # connecting groups and moving state: bounded by the backend timeout
-            bound = max(bound, self.launcher["timeout_s"])
-        return bound
+        """How long the job may go without progress: ``ft.stall_timeout_s``, else derived from the step time.
+
+        Until a generation starts (workers starting, groups connecting, state moving) the backend's
+        own timeout bounds every wait, so the bound is at least ``launcher.timeout_s``.
+        """
+        bound = self.ft["stall_timeout_s"]
+        if bound is None:
+            expected = self.coordinator.step_estimate(self.resident)
+            if self.step_times:
+                recent = sorted(self.step_times.values())[-20:]
+                expected = max(expected, recent[len(recent) // 2])
+            bound = max(self.ft["stall_min_s"], self.ft["stall_factor"] * expected)
+        return bound if self.ledger.started else max(bound, self.launcher["timeout_s"])
 
     # ----- growing back -----------------------------------------------------------------
 
@@ -712,7 +716,7 @@ class Controller:
             return
         self.growth = (self.resident, joining, self.pool.submit(
             self.coordinator.grow, self.resident, alive=set(self.alive), joining=set(joining),
-            next_step=self.ledger.next_step, fault_times=list(self.fault_times), elapsed_s=time.time() - self.t0,
+            fault_times=list(self.fault_times), elapsed_s=time.time() - self.t0,
         ))
 
     def _ripe_growth(self) -> Transition | None:
@@ -745,7 +749,7 @@ class Controller:
         self.growing.t_switch = time.time()
         self._say(f"chameleon: devices {sorted(joined)} are back: growing\n{grown.decision.table()}\n"
                   f"new plan:\n{grown.plan.describe()}")
-        self._publish(grown.plan, members=grown.members, resume_step=grown.resume_step, manifest=grown.manifest)
+        self._publish(grown.plan, members=grown.members, resume_step=self.ledger.next_step, manifest=grown.manifest)
         return self.generation
 
     def _close_growth(self, now: float) -> None:

@@ -40,7 +40,7 @@ class Transition:
     decision: Decision
     plan: Plan
     members: tuple[int, ...]
-    resume_step: int
+    resume_step: int | None
     manifest: Manifest | None
     checkpoint: str | None
     estimated_step_s: float
@@ -97,9 +97,12 @@ class Coordinator:
         manifest = relayout(self.layout(resident), self.layout(chosen.plan), survivors=sorted(alive))
         return self._transition(decision, chosen.plan, alive, next_step, manifest, None)
 
-    def grow(self, resident: Plan, *, alive: set[int], joining: set[int], next_step: int,
+    def grow(self, resident: Plan, *, alive: set[int], joining: set[int],
              fault_times: list[float], elapsed_s: float) -> Transition | Decision:
-        """The grown generation when taking ``joining`` devices in pays (Eq. 8), else the decision to stay."""
+        """The grown generation when taking ``joining`` devices in pays (Eq. 8), else the decision to stay.
+
+        Its ``resume_step`` is left to the caller: the step after the commit it switches at.
+        """
         tp = max(st.tp for p in resident.pipelines for st in p.stages if st.devices)
         ordered = sorted(joining)
         units = [tuple(ordered[i:i + tp]) for i in range(0, len(ordered) - len(ordered) % tp, tp)]
@@ -110,7 +113,7 @@ class Coordinator:
         members = alive | set(d for unit in units for d in unit)
         plan = decision.chosen.plan
         manifest = relayout(self.layout(resident), self.layout(plan), survivors=sorted(members))
-        return self._transition(decision, plan, members, next_step, manifest, None)
+        return self._transition(decision, plan, members, None, manifest, None)
 
     def _transition(self, decision, plan, members, resume_step, manifest, checkpoint) -> Transition:
         return Transition(decision, plan, tuple(sorted(members)), resume_step, manifest, checkpoint,

@@ -25,9 +25,11 @@ class _Seen:
 
 @dataclass(frozen=True)
 class Stall:
-    """What the watchdog found: devices stuck on their own, and where every silent device is."""
+    """What the watchdog found: devices stuck on their own for the whole bound, devices neither waiting
+    nor progressing for less (suspects, not yet proven), and where every silent device is."""
 
     stuck: tuple[int, ...]
+    suspects: tuple[int, ...]
     silent: dict[int, Position | None]
 
     def describe(self) -> str:
@@ -67,12 +69,11 @@ class Detector:
         return seen.position if seen else None
 
     def stall(self, silent: set[int], *, now: float, bound_s: float) -> Stall:
-        """Which of the ``silent`` devices are stuck on their own: no progress for ``bound_s``, not waiting."""
-        stuck = []
+        """Which of the ``silent`` devices are stuck on their own: not waiting, no progress for ``bound_s``."""
+        stuck, suspects = [], []
         for device in sorted(silent):
             seen = self.seen.get(device)
-            if seen is None or now - seen.changed_at <= bound_s:
+            if seen is None or seen.position.waiting_on != NOBODY or seen.position.phase in WAITING_ON_CONTROLLER:
                 continue
-            if seen.position.waiting_on == NOBODY and seen.position.phase not in WAITING_ON_CONTROLLER:
-                stuck.append(device)
-        return Stall(tuple(stuck), {d: self.position(d) for d in silent})
+            (stuck if now - seen.changed_at > bound_s else suspects).append(device)
+        return Stall(tuple(stuck), tuple(suspects), {d: self.position(d) for d in silent})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -108,6 +109,7 @@ def node_dying_key(node: int) -> str:
     return f"dying/node{node}"
 
 
+STORE_GONE = "the controller is gone (its store closed the connection)"
 LATEST_KEY = "latest_generation"
 END_KEY = "job/end"
 ALIVE_KEY = "controller/alive"
@@ -130,7 +132,13 @@ class _Uplink:
 
 
 def worker_main(spec: WorkerSpec, conn: Connection, lifeline: Connection, beacon_words) -> None:
-    """Process entry point: train through faults, report, exit; an error is reported first."""
+    """Process entry point: train through faults, report, exit; an error is reported first.
+
+    Ctrl-C and SIGTERM reach a whole process group (a terminal, Slurm): the controller
+    decides what they mean, so the worker ignores them.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     uplink, beacon = _Uplink(conn, spec.device), Beacon(beacon_words)
     threading.Thread(target=_heartbeat, args=(beacon, lifeline, spec.device), name="heartbeat", daemon=True).start()
     try:
@@ -169,13 +177,13 @@ class _Controller:
         try:
             return self.store.check(keys)
         except RuntimeError as err:
-            raise ControllerLost(f"the controller's store is unreachable ({err})") from err
+            raise ControllerLost(STORE_GONE) from err
 
     def get(self, key: str) -> bytes:
         try:
             return self.store.get(key)
         except RuntimeError as err:
-            raise ControllerLost(f"the controller's store is unreachable ({err})") from err
+            raise ControllerLost(STORE_GONE) from err
 
     def alive(self) -> None:
         """Raise :class:`ControllerLost` when the controller's liveness key stood still for ``timeout_s``."""

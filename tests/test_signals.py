@@ -1,0 +1,106 @@
+"""The controller's own death, Ctrl-C and SIGTERM: workers leave quietly, checkpoints stay whole, runs resume.
+
+Each run trains the same job (4 workers, dp2 × pp2); the resumed runs end with the
+losses and parameters of that job's failure-free run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from chameleon.model.config import ModelConfig
+from chameleon.model.llama import param_shapes
+from chameleon.report.compare import mismatches
+from chameleon.runtime.checkpoint import latest_checkpoint, verify_checkpoint
+from conftest import ENV, Run, lingering, run_entry
+
+STEPS = 150
+JOB = (f"train.steps={STEPS}", "model.dim=64", "model.n_layers=4", "train.global_batch=8", "train.micro_batch=2",
+       "train.seq_len=32", "launcher.nproc_per_node=4", "parallel.dp=2", "parallel.pp=2", "failure=none")
+SHAPES = param_shapes(ModelConfig(dim=64, n_layers=4))
+
+
+@pytest.fixture(scope="module")
+def failure_free(tmp_path_factory) -> Run:
+    run = run_entry("train", tmp_path_factory.mktemp("ff") / "run", *JOB)
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "chameleon.train", f"hydra.run.dir={run_dir}", "output.progress=false", *JOB, *overrides]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            cwd=run_dir.parent, start_new_session=True)
+
+
+def wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Until ``path`` holds ``text`` (the run reached that point)."""
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and text in path.read_text()):
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, f"{path} never held {text!r}"
+        time.sleep(0.05)
+
+
+def resume_and_compare(tmp_path: Path, root: Path, failure_free: Run) -> dict:
+    info = latest_checkpoint(root)
+    verify_checkpoint(info, SHAPES)  # intact: every file whole, the model's own tensors
+    run = run_entry("train", tmp_path / "resumed", *JOB, f"ckpt.resume={root}")
+    assert f"resuming from {info.path}" in run.stderr
+    assert run.returncode == 0, run.stderr
+    got, ref = run.summary, failure_free.summary
+    assert got["first_step"] == info.committed_steps
+    ref_tail = {**ref, "steps_completed": got["steps_completed"], "losses": ref["losses"][got["first_step"]:],
+                "sample_ids_digest": got["sample_ids_digest"]}
+    assert not mismatches(got, run.params, ref_tail, failure_free.params)
+    assert not run.leftover_workers()
+    return got
+
+
+def test_controller_killed_workers_leave_quietly_and_the_checkpoint_resumes(tmp_path, failure_free):
+    proc = start(tmp_path / "run", "ckpt.interval=10")
+    wait_for(tmp_path / "run" / "events.jsonl", '"checkpoint", "step": 20', proc)
+    proc.send_signal(signal.SIGKILL)  # the controller only: its workers must notice and leave
+    _, err = proc.communicate()  # returns once every worker closed its stderr, i.e. exited
+    assert not lingering(proc.pid, grace_s=2.0), "workers outlived the controller by more than a moment"
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) <= 4 and all("chameleon worker" in x and "exiting" in x for x in lines), err
+    resume_and_compare(tmp_path, tmp_path / "run" / "checkpoints", failure_free)
+
+
+def test_sigterm_saves_a_checkpoint_at_the_next_step_boundary_then_exits_4(tmp_path, failure_free):
+    proc = start(tmp_path / "run", "ckpt=none")  # no periodic checkpoints: SIGTERM still saves one
+    wait_for(tmp_path / "run" / "metrics.jsonl", '"step": 30', proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 4, err
+    root = tmp_path / "run" / "checkpoints"
+    assert f"ckpt.resume={root}" in err.strip().splitlines()[-1]
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    saved = [e["step"] for e in events if e["event"] == "checkpoint"]
+    committed = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    assert saved == [committed], "one checkpoint, of the last committed step"
+    assert not lingering(proc.pid)
+    got = resume_and_compare(tmp_path, root, failure_free)
+    assert got["first_step"] == committed
+
+
+def test_ctrl_c_stops_every_process_with_one_line(tmp_path):
+    proc = start(tmp_path / "run")
+    wait_for(tmp_path / "run" / "metrics.jsonl", '"step": 5', proc)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole foreground process group
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == "chameleon: interrupted (Ctrl-C); every worker is stopped"
+    assert "Traceback" not in err
+    assert not lingering(proc.pid)
+    assert not (tmp_path / "run" / "summary.json").exists()
+
