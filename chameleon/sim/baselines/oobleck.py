@@ -29,7 +29,8 @@ and ``tools/simulator/oobleck_simulator.py`` (the artifact's simulator). Modelle
 - Re-joined devices idle (the artifact's ``simulate_should_reconfigure`` returns
   False for Oobleck).
 
-Left out: GPUs per node (a trace node is one card here), FSDP inside a stage, and
+A node is one stage's TP group (one card at ``parallel.tp=1``). Left out: nodes of
+several stages, FSDP inside a stage, and
 the pipeline and FSDP groups a re-instantiation also creates (fewer groups: a
 shorter pause than Oobleck's).
 """
@@ -121,13 +122,16 @@ def iteration_time(profile: Profile, nbs: dict[Template, tuple[int, ...]], n_pip
     return max(t.time * max(nb) for t, nb in nbs.items()) + est.allreduce_time(profile, n_pipelines, profile.first_params)
 
 
-def build(n_layers: int, micro_batch_size: int, groups: list[tuple[int, ...]], templates: dict[int, Template],
+def build(n_layers: int, micro_batch_size: int, groups: list[tuple], templates: dict[int, Template],
           nbs: dict[Template, tuple[int, ...]]) -> Plan:
-    """Pipelines of the templates of their sizes; stage ``i`` of a pipeline runs on its ``i``-th device (rank order)."""
+    """Pipelines of the templates of their sizes; stage ``i`` of a pipeline runs on its ``i``-th node (rank order).
+
+    A node is a device id, or a TP group (a tuple of ids) when stages are tensor-parallel.
+    """
     pipes, taken = [], {t: iter(nb) for t, nb in nbs.items()}
-    for devices in groups:
-        t = templates[len(devices)]
-        stages = tuple(Stage(devices=(d,), layers=b) for d, b in zip(sorted(devices), t.bounds()))
+    for nodes in groups:
+        t = templates[len(nodes)]
+        stages = tuple(Stage(devices=n if isinstance(n, tuple) else (n,), layers=b) for n, b in zip(sorted(nodes), t.bounds()))
         pipes.append(Pipeline(stages=stages, micro_batches=next(taken[t])))
     return Plan(n_layers=n_layers, micro_batch_size=micro_batch_size, pipelines=tuple(pipes))
 
@@ -157,14 +161,12 @@ class OobleckPolicy(Policy):
         super().__init__(name, setup)
         profile = self.planning.profile
         fronts = self.planning.planner.fronts
-        if any(st.tp > 1 for p in setup.plan.pipelines for st in p.stages):
-            raise ValueError("sim.policies: the oobleck model places one card per stage; use parallel.tp=1")
         self.templates = {n: min((make_template(profile, sp) for sp in front), key=lambda t: (t.time, t.layers))
                           for n, front in fronts.items()}
         self.n0 = min(self.templates)
-        self.groups: list[tuple[int, ...]] = []
+        self.groups: list[tuple[tuple[int, ...], ...]] = []  # each pipeline's nodes (TP groups)
 
-    def _plan(self, groups: list[tuple[int, ...]], like: Plan) -> Plan | None:
+    def _plan(self, groups: list[tuple], like: Plan) -> Plan | None:
         counts: dict[Template, int] = {}
         for g in groups:
             if len(g) not in self.templates:
@@ -178,10 +180,10 @@ class OobleckPolicy(Policy):
 
     def start(self) -> Plan:
         plan = self.setup.plan
-        devices = sorted(plan.devices)
+        nodes = sorted(stage_units(plan))
         need = self.setup.sim.oobleck.fault_threshold + 1
         best = None
-        for sizes in _partitions(len(devices), sorted(self.templates)):
+        for sizes in _partitions(len(nodes), sorted(self.templates)):
             if len(sizes) < need:
                 continue
             counts: dict[Template, int] = {}
@@ -194,13 +196,13 @@ class OobleckPolicy(Policy):
             if best is None or value < best[0]:
                 best = (value, sizes)
         if best is None:
-            raise ValueError(f"sim.policies: oobleck finds no ≥ {need} pipelines of templates using all {len(devices)} devices")
-        it = iter(devices)
+            raise ValueError(f"sim.policies: oobleck finds no ≥ {need} pipelines of templates using all {len(nodes)} nodes")
+        it = iter(nodes)
         self.groups = [tuple(itertools.islice(it, n)) for n in best[1]]
         return self._plan(self.groups, plan)
 
     def on_fault(self, plan: Plan, fault: Fault) -> Response:
-        groups = [tuple(d for d in g if d not in fault.failed) for g in self.groups]
+        groups = [tuple(n for n in g if not fault.failed & set(n)) for g in self.groups]
         groups = reinstantiate([g for g in groups if g], self.n0)
         new = self._plan(groups, plan) if groups and not lost_layers(plan, set(fault.failed)) else None
         if new is None:
@@ -212,7 +214,7 @@ class OobleckPolicy(Policy):
         return Response(new, pause, self.planning.t_step(new), "reinstantiate")
 
 
-def reinstantiate(groups: list[tuple[int, ...]], n0: int) -> list[tuple[int, ...]]:
+def reinstantiate(groups: list[tuple], n0: int) -> list[tuple]:
     """``ReconfigurationEngine.on_reconfigure``: borrow devices for pipelines below ``n0``, else merge; smallest first."""
     groups = [list(g) for g in groups]
     short = False
@@ -229,7 +231,7 @@ def reinstantiate(groups: list[tuple[int, ...]], n0: int) -> list[tuple[int, ...
     return sorted((tuple(sorted(g)) for g in groups), key=lambda g: (len(g), g[0]))
 
 
-def _merge(groups: list[list[int]], n0: int) -> list[list[int]]:
+def _merge(groups: list[list], n0: int) -> list[list]:
     """``_merge_pipelines``: glue pipelines below ``n0`` together (then onto a full one) until all reach ``n0``."""
     small = [g for g in groups if len(g) < n0]
     full = [g for g in groups if len(g) >= n0]
