@@ -63,16 +63,19 @@ def oobleck_sweep(rates: dict[str, int], repair_h: float | None) -> dict[str, di
     return out
 
 
-def llama3(seeds: int, days: float) -> tuple[dict[str, list[float]], int, float]:
-    """Throughput ÷ reference per policy over ``seeds`` traces at Llama 3's fault rate; faults seen; device MTBF."""
+def llama3(seeds: int, days: float) -> tuple[dict[str, list[float]], dict[str, float], int, float]:
+    """At Llama 3's fault rate, over ``seeds`` traces: throughput ÷ reference per policy and run, each policy's
+    own failure-free share, the faults seen, and the cluster MTBF."""
     shares: dict[str, list[float]] = {p: [] for p in POLICIES}
+    own: dict[str, float] = {}
     faults = 0
     for seed in range(seeds):
         runs, setup, events = run_all("trace=llama3", f"trace.seed={seed}", f"sim.horizon_h={24 * days}")
         faults += sum(e.kind == "remove" for e in events)
         for p, r in runs.items():
             shares[p].append(r.throughput / r.reference_throughput)
-    return shares, faults, setup.mtbf_s
+            own[p] = r.initial_throughput / r.reference_throughput
+    return shares, own, faults, setup.mtbf_s
 
 
 def first_fault(run: RunResult) -> float:
@@ -126,7 +129,7 @@ def main() -> None:
                          args.out / "eval_throughput_30min.png", title=f"one card removed every {detail_label}")
     report.plot_breakdown([r.to_dict() for r in detail.values()], args.out / "eval_breakdown_30min.png",
                           title=f"one card removed every {detail_label}")
-    field, field_faults, field_mtbf = llama3(seeds, days)
+    field, field_own, field_faults, field_mtbf = llama3(seeds, days)
     scale = bench_simulator.measure(devices=512 if args.quick else 4096, days=2.0 if args.quick else 30.0)
     facts = collect_facts(plain, repaired, setup)
     text = TEMPLATE.format(
@@ -135,17 +138,19 @@ def main() -> None:
         load_start=" ".join(f"{x:.1f}" for x in load_start), load_end=" ".join(f"{x:.1f}" for x in os.getloadavg()),
         wall=time.perf_counter() - start, repair_h=REPAIR_H, plain=sweep_table(plain), repaired=sweep_table(repaired),
         detail_label=detail_label, detail=report.table([r.to_dict() for r in detail.values()]),
-        field=field_table(field), seeds=seeds, days=days, field_faults=field_faults, field_mtbf_h=field_mtbf / 3600,
+        field=field_table(field, field_own), seeds=seeds, days=days, field_faults=field_faults, field_mtbf_h=field_mtbf / 3600,
         field_device_mtbf_h=field_mtbf / 3600 * 32, scale=scale, **facts,
     )
     (args.out / "evaluation.md").write_text(text)
     print(text)
 
 
-def field_table(shares: dict[str, list[float]]) -> str:
-    rows = ["| policy | throughput / reference, mean | min | max |", "|---|---|---|---|"]
+def field_table(shares: dict[str, list[float]], own: dict[str, float]) -> str:
+    rows = ["| policy | own failure-free / ref. | throughput / reference, mean | min | max | mean ÷ own failure-free |",
+            "|---|---|---|---|---|---|"]
     for p, xs in shares.items():
-        rows.append(f"| {p} | {statistics.fmean(xs):.4f} | {min(xs):.4f} | {max(xs):.4f} |")
+        rows.append(f"| {p} | {own[p]:.4f} | {statistics.fmean(xs):.4f} | {min(xs):.4f} | {max(xs):.4f} | "
+                    f"{statistics.fmean(xs) / own[p]:.4f} |")
     return "\n".join(rows)
 
 
@@ -244,8 +249,8 @@ Each model's module docstring names the source of every cost and what it leaves 
 | `oobleck` | pipeline templates (Oobleck's `T1+T2+T3`), ≥ f+1 = 4 pipelines, its batch distribution, local shrink/borrow/merge on a fault, per-layer group rebuild + first-holder weight broadcast, no rerouting, repaired nodes idle | `SymbioticLab/Oobleck`: `planning/instantiator.py`, `csrc/planning/execution_result.h`, `execution/engine.py`, `tools/simulator/oobleck_simulator.py` | GPUs per node, FSDP, pipeline/FSDP group creation |
 | `recycle` | even plan, reroute to same-stage peers; step = max(1F1B step, busiest device's work + its stage's sync + optimizer): every bubble filled, staggered optimizer; restart on an even plan when rerouting is impossible | arXiv 2405.14009 (abstract: decoupled backprop, staggered optimizer, bubbles) | rerouted activation transfers, deferred weight-gradient memory |
 | `bamboo` | shadow forward `(2 − hidden)×` with hidden = the bubble share, shadow weights + optimizer in memory, fail-over to the predecessor, Oobleck's artifact rules: reconfigure (450 s) when 2·overloaded/active > 5 %, fatal restart 30 s | `uclasystem/bamboo` (`get_redundant_stage_ids`), Oobleck's `tools/simulator/bamboo_simulator.py` | lazy mode, shadow weight transfer |
-| `checkpoint` | Young/Daly interval `sqrt(2·δ·MTBF)`, restart on the best even plan: 180 s relaunch + reload + rolled-back progress | Young 1974 / Daly 2006; FlashRecovery (arXiv 2509.03047): 150 s on 4,800 devices; Llama 3: ≥ 90 % effective time over 419 interruptions (≤ 18.6 min each) | asynchronous checkpoints |
-| `torchft` | even plan, the replica group with a failed card drops out (its samples dropped), survivors wait the 60 s collective timeout, heal when all its cards are back | pytorch/torchft 0.2.0 (`Manager` defaults), measured in [torchft.md](torchft.md) | Lighthouse heartbeat/join timeouts |
+| `checkpoint` | Young/Daly interval `sqrt(2·δ·MTBF)`, restart on the best even plan: 180 s relaunch + reload + rolled-back progress; a checkpoint and a restart onto repaired cards | Young 1974 / Daly 2006; FlashRecovery (arXiv 2509.03047): 150 s on 4,800 devices; Llama 3: ≥ 90 % effective time over 419 interruptions (≤ 18.6 min each) | asynchronous checkpoints |
+| `torchft` | even plan, the replica group with a failed card drops out (its samples dropped), survivors wait the 60 s collective timeout (its default; on these 10-s steps a short timeout would fire on healthy steps), heal when all its cards are back | pytorch/torchft 0.2.0 (`Manager` defaults), measured in [torchft.md](torchft.md) | Lighthouse heartbeat/join timeouts |
 
 ## The paper's three headline claims
 
@@ -287,10 +292,11 @@ days each (cards back after 4 h) hold {field_faults} faults in all. Throughput �
 
 {field}
 
-At this rate a 32-card job meets a fault about once a run: every in-memory policy stays within a
-fraction of a percent of its own failure-free throughput, and what separates them is what they pay
-without faults: the even plans of `oobleck`/`recycle`/`torchft`/`checkpoint` (below the
-planner's uneven one), checkpoint writes, Bamboo's redundant forward and its shadow's memory.
+At this rate a 32-card job meets a fault about once a run, so two things separate the policies:
+what each pays without faults (its own failure-free plan: the even plans of the others below the
+planner's uneven one, Bamboo's redundant forward and shadow memory, checkpoint writes) and how long
+one fault's damage lasts (the last column): Oobleck never takes the repaired card back, ReCycle
+and torchft run degraded until the repair, checkpoint-restart rolls back and relaunches twice.
 
 ## Where ours differ from the paper, and why
 

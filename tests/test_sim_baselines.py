@@ -200,6 +200,9 @@ def test_checkpoint_restarts_on_the_best_even_plan_of_the_survivors():
     assert response.rollback and response.t_step == pytest.approx(48.0) and response.plan.dp == 2
     # Relaunch 100 s + reload of 4 layers × 100 params × 14 bytes at 1400 B/s = 4 s.
     assert response.pause_s == pytest.approx(104.0)
+    # Card 0 repaired: write a checkpoint (4 s), relaunch (100 s), reload (4 s) onto all 4 replicas again.
+    grown = policy.on_rejoin(response.plan, Rejoin(2.0, frozenset({0}), frozenset(), (1.0,), 1e9))
+    assert grown.plan.dp == 4 and grown.pause_s == pytest.approx(108.0) and not grown.rollback
 
 
 def test_elaswave_replans_for_a_second_and_grows_back():

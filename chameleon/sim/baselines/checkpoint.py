@@ -13,6 +13,9 @@ Modelled:
   with 419 interruptions in 54 days bounds a whole interruption, rollback
   included, at ≤ 18.6 min), a reload at the checkpoint bandwidth, and the loss
   of every step since the last checkpoint.
+- Repaired devices: when the best even plan over the live devices beats the
+  running one, the job writes a checkpoint and restarts onto it (a write, a
+  relaunch and a reload; nothing rolled back).
 
 Left out: asynchronous or in-memory checkpoints (Gemini, CheckFreq), which shrink
 ``δ``, and waiting for replacement hardware.
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 from chameleon.decision import estimator as est
 from chameleon.layout.plan import Plan
-from chameleon.sim.policies import Fault, Policy, Response, units_of
+from chameleon.sim.policies import Fault, Policy, Rejoin, Response, units_of
 
 
 class CheckpointPolicy(Policy):
@@ -45,3 +48,11 @@ class CheckpointPolicy(Policy):
         profile = self.planning.profile
         pause = profile.restart_s + est.checkpoint_time(profile, plan.n_layers)
         return Response(new, pause, self.planning.t_step(new), "checkpoint", rollback=True)
+
+    def on_rejoin(self, plan: Plan, rejoin: Rejoin) -> Response | None:
+        new = self._even(plan, set(range(self.setup.n_devices)) - rejoin.dead)
+        if new is None or new.global_batch / self.t_step(new) <= plan.global_batch / self.t_step(plan):
+            return None
+        profile = self.planning.profile
+        pause = profile.restart_s + 2 * est.checkpoint_time(profile, plan.n_layers)
+        return Response(new, pause, self.t_step(new), "restart_bigger")
