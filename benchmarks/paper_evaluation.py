@@ -103,9 +103,11 @@ def ratio_range(sweep, baseline: str) -> tuple[float, float]:
 
 
 def commit() -> str:
+    """The checked-out commit, flagged when code (anything outside docs/) differs from it."""
     root = Path(__file__).resolve().parent.parent
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=root).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs"],
+                           capture_output=True, text=True, cwd=root).stdout
     return (head or "unknown") + (" with uncommitted changes" if dirty.strip() else "")
 
 
