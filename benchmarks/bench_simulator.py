@@ -23,8 +23,14 @@ from chameleon.sim.engine import simulate
 from chameleon.simulate import prepare
 
 
+GOAL_S = 60.0  # for 4,096 devices × 30 days
+
+
 def measure(*, devices: int, days: float, policies: tuple[str, ...] = ("chameleon",)) -> str:
-    """Simulate ``days`` on ``devices`` for each policy; the report as markdown lines (command, environment, wall times)."""
+    """Simulate ``days`` on ``devices`` for each policy; the report as markdown lines (command, environment, wall times).
+
+    The 4,096-device, 30-day run is held to :data:`GOAL_S`; the report says whether each policy met it.
+    """
     register_configs()
     overrides = [
         "+recipe=llama7b", "cluster=ascend910b_32", f"cluster.n_devices={devices}", f"train.global_batch={devices}",
@@ -48,8 +54,11 @@ def measure(*, devices: int, days: float, policies: tuple[str, ...] = ("chameleo
         res = simulate(setup, name, events, horizon_s=horizon_s)
         wall = time.perf_counter() - start
         faults = sum(r["kind"] == "fault" for r in res.recoveries)
+        goal = ""
+        if (devices, days) == (4096, 30.0):
+            goal = f"; goal ≤ {GOAL_S:.0f} s: {'met' if wall <= GOAL_S else 'missed under this load'}"
         lines.append(f"- **{name}: {wall:.1f} s wall** for {days:g} days, {faults} faults handled, {res.throughput:.1f} samples/s "
-                     f"({res.throughput / res.reference_throughput:.4f} of the reference)")
+                     f"({res.throughput / res.reference_throughput:.4f} of the reference){goal}")
     return "\n".join(lines)
 
 

@@ -298,7 +298,8 @@ At this rate a 32-card job meets a fault about once a run, so two things separat
 what each pays without faults (its own failure-free plan: the even plans of the others below the
 planner's uneven one, Bamboo's redundant forward and shadow memory, checkpoint writes) and how long
 one fault's damage lasts (the last column): Oobleck never takes the repaired card back, ReCycle
-and torchft run degraded until the repair, checkpoint-restart rolls back and relaunches twice.
+and torchft run degraded until the repair (ReCycle longer when a second fault forced a restart),
+checkpoint-restart rolls back and relaunches twice.
 
 ## Where ours differ from the paper, and why
 

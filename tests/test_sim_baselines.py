@@ -136,6 +136,22 @@ def test_recycle_policy_reroutes_then_refills_on_rejoin():
     assert response.t_step == pytest.approx(recycle.recycle_step(policy.planning, response.plan, start))
     back = policy.on_rejoin(response.plan, Rejoin(2.0, frozenset({victim}), frozenset(), (1.0,), 1e9))
     assert not back.plan.reroutes and back.t_step == pytest.approx(policy.planning.t_step(start))
+    # Nothing rerouted and nothing faster to restart onto: the plan stays.
+    assert policy.on_rejoin(back.plan, Rejoin(3.0, frozenset({99}), frozenset(), (1.0,), 1e9)) is None
+
+
+def test_recycle_restarts_when_the_hosts_run_out_of_memory_and_grows_back():
+    # 1000-byte activations, 4000 bytes per card: a stage holds 1600 bytes of state + 2 in flight, but not
+    # the 2 more a host of a rerouted pipeline keeps. The 5 survivors restart on 2 pipelines × 2 stages.
+    healthy = pipelines(3, 2, 6)
+    policy = make_policy("recycle", toy_setup(healthy, toy_profile(2, layer_act_bytes=1000, memory_bytes=4000.0)))
+    start = policy.start()
+    victim = start.pipelines[1].stages[0].devices[0]
+    response = policy.on_fault(start, Fault(1.0, frozenset({victim}), frozenset({victim}), (), 1e9))
+    assert response.choice == "restart" and response.plan.dp == 2 and not response.plan.reroutes
+    assert response.pause_s >= 100.0  # the relaunch
+    grown = policy.on_rejoin(response.plan, Rejoin(2.0, frozenset({victim}), frozenset(), (1.0,), 1e9))
+    assert grown.choice == "restart_bigger" and grown.plan.dp == 3 and grown.pause_s >= 100.0
 
 
 # --- Bamboo --------------------------------------------------------------------------------------

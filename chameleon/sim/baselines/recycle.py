@@ -20,7 +20,9 @@ adapted schedules with an MILP. Modelled:
   any schedule's step (each device must do its work), so it is ReCycle at its
   best: every bubble filled, every other stage's sync hidden by staggering.
 - Pause: the communicator rebuild (schedules are precomputed, no search).
-- Re-joins refill rerouted stages (migration of the stage's state + rebuild).
+- Re-joins refill rerouted stages (migration of the stage's state + rebuild); with no
+  rerouted stage left (after a restart), a restart onto the fastest even plan of the
+  live devices when that is faster.
 - When rerouting is infeasible, the job restarts on the fastest even plan of the
   live devices with state from surviving replicas: ``cluster.restart_s`` +
   migration + rebuild (an assumption: the paper does not say).
@@ -113,8 +115,13 @@ class RecyclePolicy(Policy):
     def on_rejoin(self, plan: Plan, rejoin: Rejoin) -> Response | None:
         tp = max(st.tp for p in plan.pipelines for st in p.stages)
         new, _ = refill_rerouted(plan, units_of(set(rejoin.back), tp))
-        if new is None:
+        profile = self.planning.profile
+        if new is not None:
+            pause = est.migration_time(profile, plan, new)[0] + est.rebuild_time(profile, new)
+            return Response(new, pause, self.t_step(new), "rejoin")
+        alive = units_of(set(range(self.setup.n_devices)) - rejoin.dead, tp)
+        bigger = self.planning.best_even(alive, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
+        if plan.reroutes or bigger is None or bigger.global_batch / self.t_step(bigger) <= plan.global_batch / self.t_step(plan):
             return None
-        pause = est.migration_time(self.planning.profile, plan, new)[0] + est.rebuild_time(self.planning.profile, new)
-        return Response(new, pause, self.t_step(new), "rejoin")
-
+        self.healthy = bigger
+        return rebuild_response(self.planning, plan, bigger, "restart_bigger", extra_s=profile.restart_s)
