@@ -46,6 +46,7 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = 0
+HEAL_CAP_S = 40.0  # the longest a run waits for the restarted torchft group to heal
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paper_evaluation import commit  # noqa: E402
 
@@ -240,13 +241,21 @@ def run_torchft(case: Case, cfg: dict, work: Path, timeout_s: float) -> tuple[li
         groups[vg].kill()  # torchrun tears the whole group down
         groups[vg].start()
         t_restart = time.time()
-        time.sleep(max(0.0, t_kill + case.window_s + 1.0 - time.time()))
+        _wait_for_heal(log, vg, t_kill + case.window_s + 0.5, t_kill + HEAL_CAP_S)
     finally:
         for g in groups:
             g.kill()
         lighthouse.kill()
         lighthouse.wait()
     return _read(log), t_kill, t_restart
+
+
+def _wait_for_heal(log: Path, group: int, not_before: float, cap: float) -> None:
+    """Sleep past ``not_before`` and until the restarted ``group`` has committed (or ``cap`` passes)."""
+    while time.time() < cap:
+        if time.time() >= not_before and any(e["group"] == group and e["incarnation"] > 0 and e["committed"] for e in _read(log)):
+            return
+        time.sleep(0.05)
 
 
 def _free_port() -> int:
@@ -418,7 +427,7 @@ def main() -> None:
     if args.quick:
         cases = [Case("dp", 2, 1, 6, 3.0, victim=(1, 0))]
     else:
-        cases = [Case("dp", 4, 1, 20, 10.0, victim=(1, 0)), Case("pp", 2, 2, 20, 10.0, victim=(0, 1))]
+        cases = [Case("dp", 4, 1, 12, 8.0, victim=(1, 0)), Case("pp", 2, 2, 12, 8.0, victim=(0, 1))]
     repeats = args.repeats or (1 if args.quick else 2)
     sections = []
     with tempfile.TemporaryDirectory(prefix="bench_torchft_") as tmp:
