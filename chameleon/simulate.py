@@ -7,9 +7,13 @@ Example::
     python -m chameleon.simulate --multirun +recipe=llama7b cluster=ascend910b_32 trace=oobleck \\
         trace.interval_s=21600,3600,600
     python -m chameleon.sim.report multirun/DATE/TIME     # one table across the sweep
+    python -m chameleon.simulate +recipe=llama7b cluster=ascend910b_32 sim.initial=planner trace=llama3 \
+        sim.horizon_h=1296                                # Llama 3's fault rate, 54 days
 
-Every policy in ``sim.policies`` runs on the same trace, driving the real planner,
-estimator and selector. The run dir gets ``summary.json`` (every run, its time
+Every policy in ``sim.policies`` (Chameleon's and the baselines of
+:mod:`chameleon.sim.baselines`) runs on the same trace, driving the real planner,
+estimator and selector; every ratio divides by the planner's best failure-free plan
+on the whole cluster. The run dir gets ``summary.json`` (every run, its time
 breakdown and each recovery), ``table.md``, ``throughput.png`` and ``breakdown.png``.
 """
 
