@@ -186,7 +186,7 @@ def collect_facts(plain, repaired, setup) -> dict:
         first=first_fault(cham), gap=1 - first_fault(cham), linear=31 / 32, mean_post=statistics.fmean(r["post_over_reference"] for r in faults),
         last_post=faults[-1]["post_over_reference"], last_left=faults[-1]["devices_left"], last_linear=faults[-1]["devices_left"] / 32,
         o_lo=o_lo, o_hi=o_hi, r_lo=r_lo, r_hi=r_hi, ro_lo=ro_lo, ro_hi=ro_hi, rr_lo=rr_lo, rr_hi=rr_hi,
-        oob_first=first_fault(oob), oob_ff=oob.initial_throughput / oob.reference_throughput,
+        oob_first=first_fault(oob), reroute_first=first_fault(six["reroute"]), oob_ff=oob.initial_throughput / oob.reference_throughput,
         oob_pause=statistics.fmean(oob_pauses), rec_first=first_fault(rec), rec_ff=rec.initial_throughput / rec.reference_throughput,
         rec_restarts=rec_choices.count("restart"), rec_reroutes=rec_choices.count("reroute"),
         rec_halts=sum(runs["recycle"].halted_at is not None for runs in plain.values()),
@@ -329,7 +329,10 @@ checkpoint-restart rolls back and relaunches twice.
   {rec_ff:.3f} on its even plan), but every further fault in the same stage piles more micro-batches
   on fewer peers; across the {n_rates} rates it rerouted {rec_reroutes} faults, restarted {rec_restarts}
   times when rerouting became impossible (no live peer, or the hosts' extra activations no longer
-  fit), and stopped {rec_halts} times when a stage had lost every replica.
+  fit), and stopped {rec_halts} times when a stage had lost every replica. Chameleon forced to reroute
+  its own uneven plan does worse after the first fault ({reroute_first:.3f}): the lost stage of a
+  pipeline whose length no other pipeline shares has at most one same-stage peer, which is why
+  Eq. 8 re-plans instead.
 - **ElasWave, the highest anchor, is ahead of Chameleon by up to {elas_over_cham:.2%}:** our model
   of it pays 1 s per change and nothing for migration, where Chameleon pays its state migration
   (seconds). Chameleon's choices across the plain traces: {cham_choices}. With transitions this
