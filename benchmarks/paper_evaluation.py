@@ -330,9 +330,9 @@ checkpoint-restart rolls back and relaunches twice.
   on fewer peers; across the {n_rates} rates it rerouted {rec_reroutes} faults, restarted {rec_restarts}
   times when rerouting became impossible (no live peer, or the hosts' extra activations no longer
   fit), and stopped {rec_halts} times when a stage had lost every replica. Chameleon forced to reroute
-  its own uneven plan does worse after the first fault ({reroute_first:.3f}): the lost stage of a
-  pipeline whose length no other pipeline shares has at most one same-stage peer, which is why
-  Eq. 8 re-plans instead.
+  its own uneven plan does worse after the first fault ({reroute_first:.3f}): a lost stage has
+  same-stage peers only in pipelines of its own length (one, in this plan), so that peer carries
+  all of its micro-batches; Eq. 8 re-plans instead.
 - **ElasWave, the highest anchor, is ahead of Chameleon by up to {elas_over_cham:.2%}:** our model
   of it pays 1 s per change and nothing for migration, where Chameleon pays its state migration
   (seconds). Chameleon's choices across the plain traces: {cham_choices}. With transitions this
