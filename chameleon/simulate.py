@@ -7,9 +7,13 @@ Example::
     python -m chameleon.simulate --multirun +recipe=llama7b cluster=ascend910b_32 trace=oobleck \\
         trace.interval_s=21600,3600,600
     python -m chameleon.sim.report multirun/DATE/TIME     # one table across the sweep
+    python -m chameleon.simulate +recipe=llama7b cluster=ascend910b_32 sim.initial=planner trace=llama3 \
+        sim.horizon_h=1296                                # Llama 3's fault rate, 54 days
 
-Every policy in ``sim.policies`` runs on the same trace, driving the real planner,
-estimator and selector. The run dir gets ``summary.json`` (every run, its time
+Every policy in ``sim.policies`` (Chameleon's and the baselines of
+:mod:`chameleon.sim.baselines`) runs on the same trace, driving the real planner,
+estimator and selector; every ratio divides by the planner's best failure-free plan
+on the whole cluster. The run dir gets ``summary.json`` (every run, its time
 breakdown and each recovery), ``table.md``, ``throughput.png`` and ``breakdown.png``.
 """
 
@@ -32,7 +36,7 @@ from chameleon.report.outputs import write_json
 from chameleon.sim import report
 from chameleon.sim.config import POLICIES, SimConfig, TraceConfig
 from chameleon.sim.engine import RunResult, Setup, simulate
-from chameleon.sim.policies import Planning
+from chameleon.sim.policies import Planning, units_of
 from chameleon.sim.traces import Event, build_trace, nominal_mtbf_s, read_csv
 
 USAGE = """
@@ -108,18 +112,36 @@ def prepare(cfg: DictConfig) -> tuple[Setup, tuple[Event, ...], float, SimConfig
     cluster, policy = typed(cfg, "cluster", ClusterConfig), typed(cfg, "policy", PolicyConfig)
     profile = load_profile(model_config(cfg), cluster, micro_batch=cfg.train.micro_batch, seq_len=cfg.train.seq_len, tp=cfg.parallel.tp)
     planning = Planning(profile, policy)
-    plan = _initial_plan(cfg, sim, cluster, planning)
+    units = units_of(range(cluster.n_devices), cfg.parallel.tp)
+    n_micro = cfg.train.global_batch // cfg.train.micro_batch
+    reference = reference_plan(planning, units, n_micro=n_micro, micro_batch_size=cfg.train.micro_batch, idle=sim.reference_idle)
+    if sim.initial == "planner":
+        plan = planning.best(units, n_micro=n_micro, micro_batch_size=cfg.train.micro_batch) or reference
+    else:
+        plan = _recipe_plan(cfg, sim, cluster)
     horizon_s = sim.horizon_h * 3600
     events = build_trace(trace, n_devices=cluster.n_devices, devices_per_node=cluster.devices_per_node, horizon_s=horizon_s)
     mtbf = nominal_mtbf_s(trace, n_devices=cluster.n_devices, devices_per_node=cluster.devices_per_node, events=events, horizon_s=horizon_s)
-    return Setup(planning, plan, policy, mtbf, sim.redundant_hidden), events, horizon_s, sim
+    return Setup(planning, plan, reference, policy, sim, mtbf, cluster.n_devices), events, horizon_s, sim
 
 
-def _initial_plan(cfg: DictConfig, sim: SimConfig, cluster: ClusterConfig, planning: Planning) -> Plan:
-    if sim.initial == "planner":
-        units = [tuple(range(d, d + cfg.parallel.tp)) for d in range(0, cluster.n_devices - cluster.n_devices % cfg.parallel.tp, cfg.parallel.tp)]
-        n_micro = cfg.train.global_batch // cfg.train.micro_batch
-        return planning.planner.choose(units, n_micro=n_micro, micro_batch_size=cfg.train.micro_batch)
+def reference_plan(planning: Planning, units, *, n_micro: int, micro_batch_size: int, idle: int) -> Plan:
+    """The planner's best failure-free plan on ``units``, up to ``idle`` of them left idle.
+
+    Raises:
+        ValueError: When no plan fits the whole cluster.
+    """
+    best = None
+    for n in range(len(units), max(len(units) - idle, 1) - 1, -1):
+        plan = planning.best(units[:n], n_micro=n_micro, micro_batch_size=micro_batch_size)
+        if plan is not None and (best is None or plan.global_batch / planning.t_step(plan) > best.global_batch / planning.t_step(best)):
+            best = plan
+    if best is None:
+        raise ValueError(f"no plan fits {len(units)} stage units: widen policy.pp_lengths / policy.dp_degrees or cluster.memory_gb")
+    return best
+
+
+def _recipe_plan(cfg: DictConfig, sim: SimConfig, cluster: ClusterConfig) -> Plan:
     if sim.initial != "recipe":
         raise ValueError(f"sim.initial={sim.initial!r}: use recipe or planner")
     plan = build_plan(cfg)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-POLICIES = ("chameleon", "reroute", "dynamic", "dynamic_naive", "redundant", "checkpoint", "torchft", "oracle")
+POLICIES = (
+    "chameleon", "oracle", "dynamic", "reroute", "elaswave", "oobleck", "recycle", "bamboo", "checkpoint", "torchft",
+)
 
 
 @dataclass
@@ -14,8 +16,12 @@ class TraceConfig:
     ``poisson``: every device fails after an exponential time with mean
     ``device_mtbf_h`` and every node (``cluster.devices_per_node`` devices at once)
     after one with mean ``node_mtbf_h``; a failed device returns ``repair_h`` later.
+    When ``incidents`` is set, ``device_mtbf_h`` is derived from published incident
+    counts instead: ``incident_devices · incident_days · 24 / incidents`` device-hours
+    per fault, so the per-device rate carries over to any simulated cluster.
     ``oobleck``: Oobleck's traces, one node (``node_size`` devices) removed every
-    ``interval_s`` for ``n_removals`` removals, nodes drawn by ``seed``.
+    ``interval_s`` for ``n_removals`` removals, nodes drawn by ``seed``; with
+    ``repair_h`` each removed node returns that long after its removal.
     ``csv``: an Oobleck-format file (``ms,add|remove,nodeX``) at ``path``.
     ``none``: no fault.
     """
@@ -25,10 +31,44 @@ class TraceConfig:
     device_mtbf_h: float = 50_000.0
     node_mtbf_h: float | None = None
     repair_h: float | None = 4.0  # None: failed devices never return
+    incidents: int | None = None  # published fault count; with the two below it sets device_mtbf_h
+    incident_days: float | None = None
+    incident_devices: int | None = None
     interval_s: float = 3600.0
     n_removals: int = 15
     node_size: int = 1  # devices per trace node (oobleck, csv)
     path: str | None = None
+
+
+@dataclass
+class OobleckConfig:
+    """Oobleck (SOSP'23) as its artifact runs it: fault threshold and the pipeline-template range."""
+
+    fault_threshold: int = 3  # f: at least f+1 pipelines at start (Oobleck's examples use 3)
+
+
+@dataclass
+class BambooConfig:
+    """Bamboo (NSDI'23) as Oobleck's artifact simulates it (``tools/simulator/bamboo_simulator.py``)."""
+
+    hidden: float | None = None  # share of the shadow forward hidden in bubbles; None: the plan's bubble share
+    reconfigure_s: float = 450.0  # local rendezvous of a reconfiguration (artifact: 450 s for GPT-3 6.7B)
+    fatal_restart_s: float = 30.0  # global rendezvous after a fatal failure (artifact: 30 s)
+    overload_threshold: float = 0.05  # reconfigure once 2·overloaded/active exceeds this (artifact: 5 %)
+
+
+@dataclass
+class TorchftConfig:
+    """torchft 0.2.0: survivors wait out the stuck collective before the next quorum."""
+
+    timeout_s: float = 60.0  # torchft.Manager's default timeout for a collective
+
+
+@dataclass
+class ElasWaveConfig:
+    """ElasWave (arXiv 2510.00606): communicator edits within a second, migration off the critical path."""
+
+    communicator_s: float = 1.0  # "communicator recovery completes within one second"
 
 
 @dataclass
@@ -37,13 +77,18 @@ class SimConfig:
 
     ``initial=recipe`` starts from ``parallel.*`` (the recipe's plan);
     ``initial=planner`` from the planner's best plan on all ``cluster.n_devices``.
-    ``redundant_hidden`` is the fraction of the Bamboo-like shadow forward that
-    pipeline bubbles hide (0: every stage pays its successor's forward in full).
+    The failure-free reference of every ratio is the planner's best plan on the full
+    cluster, cards allowed to idle: the best of its plans on ``n_devices − k`` cards,
+    ``0 ≤ k ≤ reference_idle``.
     """
 
     horizon_h: float = 24.0
     policies: list[str] = field(default_factory=lambda: list(POLICIES))
     initial: str = "recipe"  # recipe | planner
-    redundant_hidden: float = 0.0
+    reference_idle: int = 16
     plots: bool = True
     progress: bool = True
+    oobleck: OobleckConfig = field(default_factory=OobleckConfig)
+    bamboo: BambooConfig = field(default_factory=BambooConfig)
+    torchft: TorchftConfig = field(default_factory=TorchftConfig)
+    elaswave: ElasWaveConfig = field(default_factory=ElasWaveConfig)

@@ -1,11 +1,12 @@
 """Discrete-event simulation of a long training run under a fault trace.
 
-Between events the job trains at the estimator's step time of its current plan;
-an event (a fault, a re-join, a checkpoint write) is handled by the policy
-(:mod:`chameleon.sim.policies`), which returns a plan and a transition pause.
-Time is classified, summing to the horizon:
+Between events the job trains at its policy's step time on the current plan; an
+event (a fault, a re-join, a checkpoint write) is handled by the policy
+(:mod:`chameleon.sim.policies`, :mod:`chameleon.sim.baselines`), which returns a
+plan and a transition pause. Time is classified, summing to the horizon:
 
-- ``useful``: committed steps, at the failure-free rate (samples × ``t_ff`` / ``B``);
+- ``useful``: committed samples ÷ the reference throughput (the planner's best
+  failure-free plan on the full cluster);
 - ``degraded``: the rest of committed steps' time (slower or smaller steps);
 - ``transition``: recovery pauses and checkpoint writes;
 - ``lost``: steps a fault aborted, progress a checkpoint reload discarded, and
@@ -17,36 +18,50 @@ The step cut by the horizon is credited pro rata: the run goes on past the windo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
 from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
-from chameleon.layout.plan import Pipeline, Plan
+from chameleon.layout.plan import Plan
 from chameleon.sim import policies as pol
+from chameleon.sim.baselines.bamboo import BambooPolicy
+from chameleon.sim.baselines.checkpoint import CheckpointPolicy
+from chameleon.sim.baselines.elaswave import ElasWavePolicy
+from chameleon.sim.baselines.oobleck import OobleckPolicy
+from chameleon.sim.baselines.recycle import RecyclePolicy
+from chameleon.sim.baselines.torchft import TorchftPolicy
+from chameleon.sim.config import POLICIES, SimConfig
 from chameleon.sim.traces import Event
+
+POLICY_CLASSES: dict[str, type[pol.Policy]] = {
+    **dict.fromkeys(pol.ChameleonPolicy.SELECTOR, pol.ChameleonPolicy),
+    "elaswave": ElasWavePolicy, "oobleck": OobleckPolicy, "recycle": RecyclePolicy, "bamboo": BambooPolicy,
+    "checkpoint": CheckpointPolicy, "torchft": TorchftPolicy,
+}
 
 
 @dataclass
 class Setup:
-    """Everything a run needs besides the policy and the trace."""
+    """Everything a run needs besides the policy and the trace.
+
+    ``plan`` is the run's starting plan (the recipe's or the planner's); ``reference``
+    the planner's best failure-free plan on the full cluster, the denominator of
+    every ratio.
+    """
 
     planning: pol.Planning
     plan: Plan
+    reference: Plan
     policy: PolicyConfig
+    sim: SimConfig
     mtbf_s: float
-    redundant_hidden: float = 0.0
-    _redundant: pol.Planning | None = field(default=None, repr=False)
+    n_devices: int
 
-    def planning_for(self, name: str) -> pol.Planning:
-        """The redundant policy plans and estimates on its slower profile; the others share one."""
-        if name != "redundant":
-            return self.planning
-        if self._redundant is None:
-            profile = pol.redundant_profile(self.planning.profile, hidden=self.redundant_hidden)
-            self._redundant = pol.Planning(profile, self.policy)
-        return self._redundant
+    @property
+    def reference_throughput(self) -> float:
+        return self.reference.global_batch / self.planning.t_step(self.reference)
 
 
 @dataclass
@@ -56,7 +71,8 @@ class RunResult:
     policy: str
     horizon_s: float
     samples: float
-    failure_free_throughput: float
+    reference_throughput: float
+    initial_throughput: float
     breakdown: dict[str, float]
     recoveries: list[dict]
     timeline: list[tuple[float, float, float]]  # (start s, end s, samples/s)
@@ -69,21 +85,19 @@ class RunResult:
     def to_dict(self) -> dict:
         return {
             "policy": self.policy, "horizon_s": self.horizon_s, "samples": self.samples, "throughput": self.throughput,
-            "failure_free_throughput": self.failure_free_throughput, "breakdown": self.breakdown,
-            "recoveries": self.recoveries, "halted_at": self.halted_at,
+            "reference_throughput": self.reference_throughput, "initial_throughput": self.initial_throughput,
+            "breakdown": self.breakdown, "recoveries": self.recoveries, "halted_at": self.halted_at,
         }
 
 
 class _Run:
     """Mutable state of one simulated run."""
 
-    def __init__(self, setup: Setup, name: str, horizon_s: float):
+    def __init__(self, name: str, plan: Plan, t_step: float, reference: float, horizon_s: float):
         self.name, self.horizon = name, horizon_s
-        self.planning = setup.planning_for(name)
-        self.plan: Plan | None = setup.plan
-        self.t_step = self.planning.t_step(setup.plan)
-        self.t_ff = setup.planning.t_step(setup.plan)
-        self.batch_ff = setup.plan.global_batch
+        self.plan: Plan | None = plan
+        self.t_step = t_step
+        self.reference = reference
         self.now = self.resume_at = 0.0
         self.samples = 0.0
         self.acc = dict.fromkeys(("useful", "degraded", "transition", "lost"), 0.0)
@@ -108,13 +122,13 @@ class _Run:
             if abort:
                 steps = math.floor(steps + 1e-9)
             done = steps * self.t_step
-            batch = self.plan.global_batch
-            useful = min(done, steps * batch * self.t_ff / self.batch_ff)
-            self.samples += steps * batch
+            samples = steps * self.plan.global_batch
+            useful = min(done, samples / self.reference)
+            self.samples += samples
             self.acc["useful"] += useful
             self.acc["degraded"] += done - useful
             self.acc["lost"] += span - done
-            self._mark(start, to, batch / self.t_step)
+            self._mark(start, to, self.plan.global_batch / self.t_step)
         self.now = to
 
     def _mark(self, start: float, end: float, rate: float) -> None:
@@ -132,24 +146,34 @@ class _Run:
             self.halted_at = self.now
 
 
-def simulate(setup: Setup, name: str, events: tuple[Event, ...], *, horizon_s: float, progress: bool = False) -> RunResult:
-    """Run policy ``name`` over ``events`` for ``horizon_s`` seconds.
+def make_policy(name: str, setup: Setup) -> pol.Policy:
+    """The policy ``name`` of ``sim.policies`` on ``setup``.
 
     Raises:
         ValueError: On an unknown policy name.
     """
-    if name not in pol.SELECTOR_NAME and name != "torchft":
-        raise ValueError(f"sim.policies: unknown policy {name!r}; use {', '.join([*pol.SELECTOR_NAME, 'torchft'])}")
-    run = _Run(setup, name, horizon_s)
-    tp = setup.plan.pipelines[0].stages[0].tp
+    if name not in POLICY_CLASSES:
+        raise ValueError(f"sim.policies: unknown policy {name!r}; use {', '.join(POLICIES)}")
+    return POLICY_CLASSES[name](name, setup)
+
+
+def simulate(setup: Setup, name: str, events: tuple[Event, ...], *, horizon_s: float, progress: bool = False) -> RunResult:
+    """Run policy ``name`` over ``events`` for ``horizon_s`` seconds.
+
+    Raises:
+        ValueError: On an unknown policy name, or a baseline that cannot lay out the cluster.
+    """
+    policy = make_policy(name, setup)
+    first = policy.start()
+    ref = setup.reference_throughput
+    run = _Run(name, first, policy.t_step(first), ref, horizon_s)
+    initial = first.global_batch / run.t_step
     dead: set[int] = set()
-    spares: list[tuple[int, ...]] = []
-    dropped: list[Pipeline] = []
     fault_times: list[float] = []
     removals = [e.time_s for e in events if e.kind == "remove"]
     recoveries: list[dict] = []
-    saves = _Saves(setup, run) if name == "checkpoint" else None
-    for i, event in enumerate(tqdm(events, desc=name, disable=not progress, leave=False)):
+    saves = _Saves(setup, run) if policy.checkpoints else None
+    for event in tqdm(events, desc=name, disable=not progress, leave=False):
         if event.time_s >= horizon_s:
             break
         if saves:
@@ -160,25 +184,22 @@ def simulate(setup: Setup, name: str, events: tuple[Event, ...], *, horizon_s: f
             hit = set(event.devices) - dead
             dead |= hit
             fault_times.append(event.time_s)
-            spares = [u for u in spares if not hit & set(u)]
             failed = hit & set(run.plan.devices) if run.plan is not None else set()
             if not failed:
                 continue
             run.advance(event.time_s, abort=True)
-            response = pol.on_fault(
-                name, run.planning, run.plan, failed, policy=setup.policy, now_s=event.time_s,
-                fault_times=fault_times[:-1], next_fault_s=d_true,
-                checkpoint_age_s=saves.age(event.time_s) if saves else None,
-            )
-            if name == "torchft" and response.plan is not None:
-                dropped += [p for p in run.plan.pipelines if failed & set(p.devices)]
+            response = policy.on_fault(run.plan, pol.Fault(
+                event.time_s, frozenset(failed), frozenset(dead), tuple(fault_times[:-1]), d_true,
+                saves.age(event.time_s) if saves else None,
+            ))
             if response.rollback:
                 saves.rollback()
             run.adopt(response)
-            ratio = 0.0 if response.plan is None else (response.plan.global_batch / response.t_step) / (run.batch_ff / run.t_ff)
+            ratio = 0.0 if response.plan is None else response.plan.global_batch / response.t_step / ref
             recoveries.append({
-                "time_s": event.time_s, "failed": sorted(failed), "choice": response.choice, "pause_s": response.pause_s,
-                "t_step": response.t_step, "post_over_failure_free": ratio, "d_s": response.d_s,
+                "kind": "fault", "time_s": event.time_s, "failed": sorted(failed), "choice": response.choice, "pause_s": response.pause_s,
+                "t_step": response.t_step, "post_over_reference": ratio, "d_s": response.d_s,
+                "devices_left": setup.n_devices - len(dead),
             })
         else:
             back = set(event.devices) & dead
@@ -186,22 +207,20 @@ def simulate(setup: Setup, name: str, events: tuple[Event, ...], *, horizon_s: f
             if run.plan is None or not back:
                 continue
             run.advance(event.time_s, abort=False)
-            if name == "torchft":
-                response, dropped = pol.torchft_heal(run.planning, run.plan, dropped, dead)
-            else:
-                ids = sorted(back)
-                spares += [tuple(ids[k:k + tp]) for k in range(0, len(ids) - len(ids) % tp, tp)]
-                answer = pol.on_rejoin(
-                    name, run.planning, run.plan, spares, policy=setup.policy, now_s=event.time_s,
-                    fault_times=fault_times, next_fault_s=d_true,
-                )
-                response, spares = answer if answer else (None, spares)
+            response = policy.on_rejoin(run.plan, pol.Rejoin(
+                event.time_s, frozenset(back), frozenset(dead), tuple(fault_times), d_true,
+            ))
             if response is not None:
                 run.adopt(response)
+                recoveries.append({
+                    "kind": "rejoin", "time_s": event.time_s, "failed": [], "choice": response.choice, "pause_s": response.pause_s,
+                    "t_step": response.t_step, "post_over_reference": response.plan.global_batch / response.t_step / ref,
+                    "d_s": response.d_s, "devices_left": setup.n_devices - len(dead),
+                })
     if saves:
         saves.until(horizon_s)
     run.advance(horizon_s, abort=False)
-    return RunResult(name, horizon_s, run.samples, run.batch_ff / run.t_ff, run.acc, recoveries, run.timeline, run.halted_at)
+    return RunResult(name, horizon_s, run.samples, ref, initial, run.acc, recoveries, run.timeline, run.halted_at)
 
 
 class _Saves:
@@ -209,7 +228,7 @@ class _Saves:
 
     def __init__(self, setup: Setup, run: _Run):
         self.run = run
-        self.write_s = est.checkpoint_time(run.planning.profile, setup.plan.n_layers)
+        self.write_s = est.checkpoint_time(setup.planning.profile, setup.plan.n_layers)
         self.interval_s = math.sqrt(2 * self.write_s * setup.mtbf_s)
         self.next_s = self.interval_s
         self.saved = (0.0, 0.0, dict(run.acc))  # (time, samples, breakdown) at the last checkpoint

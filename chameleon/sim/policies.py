@@ -1,22 +1,16 @@
-"""How each simulated policy answers a fault or a re-join, through the real decision centre.
+"""How a simulated policy answers faults and re-joins; Chameleon's own policies.
 
-Every policy but ``torchft`` is the selector (:func:`chameleon.decision.selector.decide`)
-with a different :class:`PolicyConfig`; the plan, its step time and its transition
-come from the planner and estimator. What differs:
+A policy is an object with a first plan and two handlers, :meth:`Policy.on_fault`
+and :meth:`Policy.on_rejoin`, each returning a :class:`Response` (the plan to run
+after a pause). Plans, step times and transitions come from the real planner and
+estimator through :class:`Planning`. Chameleon's policies are the selector
+(:func:`chameleon.decision.selector.decide`) under different :class:`PolicyConfig`:
 
 - ``chameleon``: Eq. 8 over every candidate, ``D`` estimated online from the fault history.
 - ``oracle``: Eq. 8 with the true time to the next fault (hindsight).
-- ``reroute`` (ReCycle-like), ``dynamic`` (Oobleck-like, survivors placed by the
-  min-bytes assignment), ``dynamic_naive`` (the same plan, survivors taken in plan
-  order, as Oobleck's broadcast of missing layers does).
-- ``redundant`` (Bamboo-like): every stage also runs its successor's forward, so
-  its profile's forward time is ``(2 − redundant_hidden)×``, before and after faults;
-  a fault is a neighbour takeover whose state is already there (no migration).
-- ``checkpoint``: restart on the survivors from the newest checkpoint; the engine
-  writes one every Young/Daly interval ``sqrt(2·δ·MTBF)``.
-- ``torchft``: the replica (pipeline) holding a failed device drops out and the
-  global batch shrinks; it heals when its devices are back.
+- ``dynamic`` / ``reroute``: Chameleon forced to re-plan / to reroute (Eq. 12/13).
 
+The baselines from other papers live in :mod:`chameleon.sim.baselines`.
 Plans for ``n`` survivors are searched once per ``n`` (the planner's precompute)
 and only re-placed afterwards, so the search costs no simulated time.
 """
@@ -33,10 +27,7 @@ from chameleon.decision.profiler import Profile
 from chameleon.decision.selector import decide, estimate_d, score
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage
 
-SELECTOR_NAME = {
-    "chameleon": "chameleon", "oracle": "chameleon", "reroute": "reroute", "dynamic": "dynamic",
-    "dynamic_naive": "dynamic", "redundant": "redundant", "checkpoint": "checkpoint",
-}
+Units = list[tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -51,8 +42,31 @@ class Response:
     rollback: bool = False
 
 
+@dataclass(frozen=True)
+class Fault:
+    """Devices ``failed`` (all in the running plan) at ``now_s``; ``dead`` are all devices down now."""
+
+    now_s: float
+    failed: frozenset[int]
+    dead: frozenset[int]
+    fault_times: tuple[float, ...]  # earlier faults
+    next_fault_s: float  # true time to the next fault (the oracle's hindsight)
+    checkpoint_age_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """Devices ``back`` after repair at ``now_s``; ``dead`` are the devices still down."""
+
+    now_s: float
+    back: frozenset[int]
+    dead: frozenset[int]
+    fault_times: tuple[float, ...]
+    next_fault_s: float
+
+
 class Planning:
-    """One profile's planner, with plan shapes cached per survivor count.
+    """One profile's planner and estimator, with plan shapes cached per unit count.
 
     Args:
         profile: Costs the planner and estimator use.
@@ -63,6 +77,7 @@ class Planning:
         self.profile = profile
         self.planner = Planner(profile, dp_degrees=tuple(policy.dp_degrees), pp_lengths=tuple(policy.pp_lengths))
         self._shapes: dict[tuple[int, int, int], Plan | None] = {}
+        self._even: dict[tuple[int, int, int], Plan | None] = {}
         self._steps: dict[Plan, float] = {}
 
     def t_step(self, plan: Plan) -> float:
@@ -71,95 +86,170 @@ class Planning:
             self._steps[plan] = est.estimate_step(self.profile, plan).t_step
         return self._steps[plan]
 
-    def replan(self, units: list[tuple[int, ...]], previous: Plan, *, hungarian: bool) -> Plan | None:
-        """The best plan on ``units``, placed by min-bytes assignment or in ``units`` order; None if none fits."""
-        key = (len(units), previous.n_micro_batches, previous.micro_batch_size)
+    def best(self, units: Units, *, n_micro: int, micro_batch_size: int, previous: Plan | None = None) -> Plan | None:
+        """The planner's best plan on every unit of ``units``, placed to move the least state from ``previous``.
+
+        None when no plan fits.
+        """
+        key = (len(units), n_micro, micro_batch_size)
         if key not in self._shapes:
             try:
-                self._shapes[key] = self.planner.choose(units, n_micro=key[1], micro_batch_size=key[2])
+                self._shapes[key] = self.planner.choose(units, n_micro=n_micro, micro_batch_size=micro_batch_size)
             except PlanError:
                 self._shapes[key] = None
         shape = self._shapes[key]
         if shape is None:
             return None
-        it = iter(units)
-        pipelines = tuple(
-            Pipeline(stages=tuple(Stage(devices=next(it), layers=st.layers) for st in p.stages), micro_batches=p.micro_batches)
-            for p in shape.pipelines
-        )
-        filled = Plan(n_layers=shape.n_layers, micro_batch_size=shape.micro_batch_size, pipelines=pipelines)
-        return place(filled, previous, self.profile) if hungarian else filled
+        filled = refill(shape, units)
+        return place(filled, previous, self.profile) if previous is not None else filled
+
+    def best_even(self, units: Units, *, n_micro: int, micro_batch_size: int) -> Plan | None:
+        """The fastest even plan (``dp`` equal pipelines, ``dp`` dividing ``n_micro``) on at most ``len(units)`` units.
+
+        What a Megatron-style framework runs: every pipeline has the same layer
+        split (the planner's fastest for its length) and the same micro-batches;
+        units beyond ``dp · pp`` idle. None when nothing fits.
+        """
+        key = (len(units), n_micro, micro_batch_size)
+        if key not in self._even:
+            shapes = []
+            for pp, split in self.planner.splits.items():
+                for dp in range(1, min(len(units) // pp, n_micro) + 1):
+                    if n_micro % dp or (split.max_micro is not None and n_micro // dp > split.max_micro):
+                        continue
+                    pipes = tuple(
+                        Pipeline(stages=tuple(Stage(devices=(), layers=b) for b in split.bounds()), micro_batches=n_micro // dp)
+                        for _ in range(dp)
+                    )
+                    shapes.append(refill(Plan(n_layers=self.profile.n_layers, micro_batch_size=micro_batch_size, pipelines=pipes), units))
+            fitting = [p for p in shapes if max(est.memory_per_device(self.profile, p).values()) <= self.profile.memory_bytes]
+            self._even[key] = min(fitting, key=lambda p: (self.t_step(p), len(p.devices)), default=None)
+        shape = self._even[key]
+        return None if shape is None else refill(shape, units)
 
 
-def redundant_profile(profile: Profile, *, hidden: float) -> Profile:
-    """Bamboo's eager redundancy: each stage also runs its successor's forward, ``hidden`` of it in bubbles."""
-    return replace(profile, layer_fwd_s=profile.layer_fwd_s * (2.0 - hidden))
-
-
-def on_fault(
-    name: str, planning: Planning, plan: Plan, failed: set[int], *, policy: PolicyConfig, now_s: float,
-    fault_times: list[float], next_fault_s: float, checkpoint_age_s: float | None,
-) -> Response:
-    """The response of policy ``name`` to ``failed`` devices of ``plan`` at ``now_s``."""
-    if name == "torchft":
-        kept = tuple(p for p in plan.pipelines if not failed & set(p.devices))
-        if not kept:
-            return Response(None, 0.0, math.inf, "halt")
-        new = Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=kept)
-        return Response(new, est.rebuild_time(planning.profile, new), planning.t_step(new), "drop_replica")
-    cfg = replace(policy, name=SELECTOR_NAME[name], fixed_d_s=next_fault_s if name == "oracle" else policy.fixed_d_s)
-    units = stage_units(plan, failed)
-    pre = planning.replan(units, plan, hungarian=name != "dynamic_naive") if units else None
-    decision = decide(
-        planning.profile, plan, failed, policy=cfg, planner=planning.planner, fault_times=fault_times,
-        elapsed_s=now_s, checkpoint_age_s=checkpoint_age_s if name == "checkpoint" else None, precomputed=pre,
+def refill(plan: Plan, units: Units) -> Plan:
+    """``plan``'s shape with its stages given ``units`` in order (pipeline by pipeline); extra units idle."""
+    it = iter(units)
+    pipelines = tuple(
+        Pipeline(stages=tuple(Stage(devices=next(it), layers=st.layers) for st in p.stages), micro_batches=p.micro_batches)
+        for p in plan.pipelines
     )
-    chosen = decision.chosen
-    if chosen is None:
-        return Response(None, 0.0, math.inf, "halt", decision.d_s)
-    parts = dict(chosen.transition_parts)
-    if name == "redundant" and chosen.name == "redundant":
-        parts.pop("migrate", None)  # the shadow copy is already on the neighbour
-    rollback = chosen.name == "checkpoint"
-    if rollback:
-        parts.pop("lost_progress")  # the engine rolls the samples back instead
-    return Response(chosen.plan, sum(parts.values()), chosen.t_step, chosen.name, decision.d_s, rollback)
+    return Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=pipelines)
 
 
-def on_rejoin(
-    name: str, planning: Planning, plan: Plan, spares: list[tuple[int, ...]], *, policy: PolicyConfig, now_s: float,
-    fault_times: list[float], next_fault_s: float,
-) -> tuple[Response, list[tuple[int, ...]]] | None:
-    """Use returned devices ``spares``: refill rerouted stages, else re-plan when Eq. 8 says it pays.
+def units_of(devices, tp: int) -> Units:
+    """Devices grouped into TP units of ``tp`` consecutive ids (a partial group is dropped)."""
+    ids = sorted(devices)
+    return [tuple(ids[k:k + tp]) for k in range(0, len(ids) - len(ids) % tp, tp)]
 
-    Returns:
-        The response and the spares still unused, or None to keep the plan as it is.
-    """
-    new, left = _refill(plan, spares)
-    if new is None and name not in ("reroute", "torchft"):
-        grown = planning.replan(stage_units(plan) + spares, plan, hungarian=name != "dynamic_naive")
-        if grown is None:
-            return None
-        d_s = next_fault_s if name == "oracle" else estimate_d(policy, fault_times=fault_times, elapsed_s=now_s)[0]
-        pause = est.migration_time(planning.profile, plan, grown)[0] + est.rebuild_time(planning.profile, grown)
-        gain = score(global_batch=grown.global_batch, t_step=planning.t_step(grown), transition=pause, d_s=d_s)
-        if d_s <= pause or gain <= plan.global_batch / planning.t_step(plan):
-            return None
-        new, left = grown, []
+
+def lost_layers(plan: Plan, failed: set[int]) -> bool:
+    """Whether some layer has no live holder left once ``failed`` are gone (its state is lost)."""
+    alive = set()
+    for p in plan.pipelines:
+        for st in p.stages:
+            if st.devices and not failed & set(st.devices):
+                alive.update(range(*st.layers))
+    return len(alive) < plan.n_layers
+
+
+def rebuild_response(planning: Planning, old: Plan, new: Plan | None, choice: str, *, extra_s: float = 0.0) -> Response:
+    """Move to ``new``: state migration + group rebuild (+ ``extra_s``); a halt when ``new`` is None."""
     if new is None:
+        return Response(None, 0.0, math.inf, "halt")
+    pause = est.migration_time(planning.profile, old, new)[0] + est.rebuild_time(planning.profile, new) + extra_s
+    return Response(new, pause, planning.t_step(new), choice)
+
+
+class Policy:
+    """A recovery policy on one simulated run; subclasses keep whatever state they need across events.
+
+    Args:
+        name: The policy's name in ``sim.policies``.
+        setup: The run's planning, plans and options (:class:`chameleon.sim.engine.Setup`).
+    """
+
+    checkpoints = False  # the engine writes Young/Daly checkpoints for this policy
+
+    def __init__(self, name: str, setup):
+        self.name = name
+        self.setup = setup
+        self.planning: Planning = setup.planning
+
+    def start(self) -> Plan:
+        """The failure-free plan this policy trains on."""
+        return self.setup.plan
+
+    def t_step(self, plan: Plan) -> float:
+        """This policy's step time on ``plan``."""
+        return self.planning.t_step(plan)
+
+    def on_fault(self, plan: Plan, fault: Fault) -> Response:
+        raise NotImplementedError
+
+    def on_rejoin(self, plan: Plan, rejoin: Rejoin) -> Response | None:
+        """Use returned devices; None keeps the plan (the default: returned devices idle)."""
         return None
-    pause = est.migration_time(planning.profile, plan, new)[0] + est.rebuild_time(planning.profile, new)
-    return Response(new, pause, planning.t_step(new), "rejoin"), left
 
 
-def _refill(plan: Plan, spares: list[tuple[int, ...]]) -> tuple[Plan | None, list[tuple[int, ...]]]:
+class ChameleonPolicy(Policy):
+    """Chameleon's selector: Eq. 8 (``chameleon``, ``oracle``) or one strategy forced (``dynamic``, ``reroute``)."""
+
+    SELECTOR = {"chameleon": "chameleon", "oracle": "chameleon", "dynamic": "dynamic", "reroute": "reroute"}
+
+    def __init__(self, name: str, setup):
+        super().__init__(name, setup)
+        self.spares: Units = []
+
+    def _config(self, next_fault_s: float) -> PolicyConfig:
+        policy = self.setup.policy
+        return replace(policy, name=self.SELECTOR[self.name], fixed_d_s=next_fault_s if self.name == "oracle" else policy.fixed_d_s)
+
+    def on_fault(self, plan: Plan, fault: Fault) -> Response:
+        failed = set(fault.failed)
+        self.spares = [u for u in self.spares if not failed & set(u)]
+        units = stage_units(plan, failed)
+        pre = self.planning.best(units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size, previous=plan) if units else None
+        decision = decide(
+            self.planning.profile, plan, failed, policy=self._config(fault.next_fault_s), planner=self.planning.planner,
+            fault_times=list(fault.fault_times), elapsed_s=fault.now_s, precomputed=pre,
+        )
+        chosen = decision.chosen
+        if chosen is None:
+            return Response(None, 0.0, math.inf, "halt", decision.d_s)
+        return Response(chosen.plan, chosen.transition, chosen.t_step, chosen.name, decision.d_s)
+
+    def on_rejoin(self, plan: Plan, rejoin: Rejoin) -> Response | None:
+        """Refill rerouted stages with returned units, else re-plan onto all of them when Eq. 8 says it pays."""
+        self.spares += units_of(set(rejoin.back), _tp_of(plan))
+        new, left = refill_rerouted(plan, self.spares)
+        if new is None and self.name != "reroute":
+            grown = self.planning.best(stage_units(plan) + self.spares, n_micro=plan.n_micro_batches,
+                                       micro_batch_size=plan.micro_batch_size, previous=plan)
+            if grown is None:
+                return None
+            d_s = rejoin.next_fault_s if self.name == "oracle" else estimate_d(
+                self.setup.policy, fault_times=list(rejoin.fault_times), elapsed_s=rejoin.now_s)[0]
+            pause = est.migration_time(self.planning.profile, plan, grown)[0] + est.rebuild_time(self.planning.profile, grown)
+            gain = score(global_batch=grown.global_batch, t_step=self.planning.t_step(grown), transition=pause, d_s=d_s)
+            if d_s <= pause or gain <= plan.global_batch / self.planning.t_step(plan):
+                return None
+            new, left = grown, []
+        if new is None:
+            return None
+        self.spares = left
+        return rebuild_response(self.planning, plan, new, "rejoin")
+
+
+def refill_rerouted(plan: Plan, spares: Units) -> tuple[Plan | None, Units]:
     """Put spare units on device-less (rerouted) stages of the same TP width; None if none was filled."""
     left = list(spares)
     pipelines, filled = [], set()
     for j, p in enumerate(plan.pipelines):
         stages = []
         for s, st in enumerate(p.stages):
-            unit = next((u for u in left if not st.devices and len(u) == _tp(plan, s)), None)
+            unit = next((u for u in left if not st.devices and len(u) == _stage_tp(plan, s)), None)
             if unit is not None:
                 left.remove(unit)
                 filled.add((j, s))
@@ -172,16 +262,10 @@ def _refill(plan: Plan, spares: list[tuple[int, ...]]) -> tuple[Plan | None, lis
     return Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=tuple(pipelines), reroutes=reroutes), left
 
 
-def _tp(plan: Plan, stage: int) -> int:
+def _stage_tp(plan: Plan, stage: int) -> int:
     """TP width of stage ``stage`` in the pipelines that still have it."""
     return max(p.stages[stage].tp for p in plan.pipelines if stage < p.n_stages)
 
 
-def torchft_heal(planning: Planning, plan: Plan, dropped: list[Pipeline], dead: set[int]) -> tuple[Response | None, list[Pipeline]]:
-    """Bring back dropped replicas whose devices are all alive again (state fetched from a live replica)."""
-    back = [p for p in dropped if not dead & set(p.devices)]
-    if not back:
-        return None, dropped
-    new = Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=plan.pipelines + tuple(back))
-    pause = est.migration_time(planning.profile, plan, new)[0] + est.rebuild_time(planning.profile, new)
-    return Response(new, pause, planning.t_step(new), "heal"), [p for p in dropped if p not in back]
+def _tp_of(plan: Plan) -> int:
+    return max(st.tp for p in plan.pipelines for st in p.stages)

@@ -2,8 +2,10 @@
 
 A trace is a sorted tuple of :class:`Event`. Oobleck's artifact traces are CSV
 lines ``ms,add|remove,nodeX``; :func:`read_csv` and :func:`write_csv` speak that
-format, :func:`oobleck_trace` generates its fixed-interval removals and
-:func:`poisson_trace` draws exponential device and node faults with repairs.
+format, :func:`oobleck_trace` generates its fixed-interval removals (optionally
+repaired) and :func:`poisson_trace` draws exponential device and node faults
+with repairs, at a rate given directly or derived from published incident
+counts (:func:`device_mtbf_h`).
 """
 
 from __future__ import annotations
@@ -59,11 +61,28 @@ def write_csv(events: tuple[Event, ...], path: str | Path, *, node_size: int) ->
     return Path(path)
 
 
-def oobleck_trace(*, n_nodes: int, interval_s: float, n_removals: int, node_size: int, seed: int) -> tuple[Event, ...]:
-    """One random remaining node removed every ``interval_s``, ``n_removals`` times, never re-added."""
+def oobleck_trace(
+    *, n_nodes: int, interval_s: float, n_removals: int, node_size: int, seed: int, repair_s: float | None = None,
+) -> tuple[Event, ...]:
+    """One random live node removed every ``interval_s``, ``n_removals`` times; back ``repair_s`` later (None: never).
+
+    Without repairs every removal takes a distinct node; with them a repaired node
+    may be removed again.
+    """
     rng = np.random.default_rng(seed)
-    order = rng.permutation(n_nodes)[: min(n_removals, n_nodes)]
-    return tuple(Event((i + 1) * interval_s, "remove", node_devices(int(x), node_size)) for i, x in enumerate(order))
+    back_at = np.zeros(n_nodes)
+    events = []
+    for i in range(n_removals):
+        t = (i + 1) * interval_s
+        live = np.flatnonzero(back_at <= t)
+        if not len(live):
+            break
+        node = int(rng.choice(live))
+        events.append(Event(t, "remove", node_devices(node, node_size)))
+        back_at[node] = math.inf if repair_s is None else t + repair_s
+        if repair_s is not None:
+            events.append(Event(t + repair_s, "add", node_devices(node, node_size)))
+    return _merge(events)
 
 
 def poisson_trace(
@@ -112,18 +131,19 @@ def build_trace(cfg: TraceConfig, *, n_devices: int, devices_per_node: int, hori
     Raises:
         ValueError: On an unknown ``trace.kind`` or a ``csv`` trace without ``trace.path``.
     """
+    repair_s = None if cfg.repair_h is None else cfg.repair_h * 3600
     if cfg.kind == "none":
         events: tuple[Event, ...] = ()
     elif cfg.kind == "poisson":
         events = poisson_trace(
             n_devices=n_devices, devices_per_node=devices_per_node, horizon_s=horizon_s,
-            device_mtbf_s=cfg.device_mtbf_h * 3600, node_mtbf_s=None if cfg.node_mtbf_h is None else cfg.node_mtbf_h * 3600,
-            repair_s=None if cfg.repair_h is None else cfg.repair_h * 3600, seed=cfg.seed,
+            device_mtbf_s=device_mtbf_h(cfg) * 3600, node_mtbf_s=None if cfg.node_mtbf_h is None else cfg.node_mtbf_h * 3600,
+            repair_s=repair_s, seed=cfg.seed,
         )
     elif cfg.kind == "oobleck":
         events = oobleck_trace(
             n_nodes=n_devices // cfg.node_size, interval_s=cfg.interval_s, n_removals=cfg.n_removals,
-            node_size=cfg.node_size, seed=cfg.seed,
+            node_size=cfg.node_size, seed=cfg.seed, repair_s=repair_s,
         )
     elif cfg.kind == "csv":
         if not cfg.path:
@@ -134,10 +154,26 @@ def build_trace(cfg: TraceConfig, *, n_devices: int, devices_per_node: int, hori
     return tuple(e for e in events if e.time_s < horizon_s and all(d < n_devices for d in e.devices))
 
 
+def device_mtbf_h(cfg: TraceConfig) -> float:
+    """Hours between faults of one device: ``trace.device_mtbf_h``, or derived from published incident counts.
+
+    Raises:
+        ValueError: When ``trace.incidents`` is set without ``incident_days`` and ``incident_devices``.
+    """
+    if cfg.incidents is None:
+        return cfg.device_mtbf_h
+    if not cfg.incident_days or not cfg.incident_devices or cfg.incidents < 1:
+        raise ValueError(
+            f"trace.incidents={cfg.incidents} needs trace.incident_days and trace.incident_devices > 0 "
+            "(faults observed over that many days on that many devices)"
+        )
+    return cfg.incident_days * 24 * cfg.incident_devices / cfg.incidents
+
+
 def nominal_mtbf_s(cfg: TraceConfig, *, n_devices: int, devices_per_node: int, events: tuple[Event, ...], horizon_s: float) -> float:
     """The cluster's mean time between faults as an operator would configure it (Young/Daly input)."""
     if cfg.kind == "poisson":
-        rate = n_devices / (cfg.device_mtbf_h * 3600)
+        rate = n_devices / (device_mtbf_h(cfg) * 3600)
         if cfg.node_mtbf_h is not None:
             rate += -(-n_devices // devices_per_node) / (cfg.node_mtbf_h * 3600)
         return 1 / rate
