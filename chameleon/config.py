@@ -49,6 +49,11 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     seed: int = 0
+    dtype: str = "fp32"  # fp32 | bf16 (bf16 compute; fp32 master weights, gradients and AdamW moments)
+    clip_norm: float = 1.0  # clip the global gradient norm (over the whole plan) to this; 0 disables
+    lr_schedule: str = "cosine"  # constant | cosine (by global step, after the linear warm-up)
+    warmup_steps: int = 10
+    min_lr: float = 3e-4  # where the cosine schedule ends
 
 
 @dataclass
@@ -76,6 +81,7 @@ class LauncherConfig:
     timeout_s: float = 60.0
     threads_per_worker: int = 1
     memory_per_device_gb: float | None = None  # None: this host's RAM (cpu) or the device's memory
+    backend: str | None = None  # None: by device (gloo, nccl, hccl); gloo also drives cuda (e.g. workers sharing one GPU)
 
 
 @dataclass
@@ -98,6 +104,13 @@ class CheckpointConfig:
 class OutputConfig:
     progress: bool = True  # a progress bar on stderr
     save_params: bool = True  # final_params.pt in the run dir
+    export_hf: bool = False  # also hf/ in the run dir: the trained weights as a Hugging Face Llama checkpoint
+
+
+@dataclass
+class ReportConfig:
+    plots: bool = True  # run.png in the run dir: loss and throughput, each fault and its recovery marked
+    tensorboard: bool = False  # live scalars in <run dir>/tensorboard (pip install 'chameleon[tensorboard]')
 
 
 @dataclass
@@ -109,6 +122,7 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -193,6 +207,7 @@ def validate(cfg: DictConfig) -> Plan:
     for key in ("steps", "global_batch", "micro_batch", "seq_len"):
         _check(train[key] >= 1, f"train.{key}={train[key]}: must be ≥ 1")
     _check(train.lr > 0, f"train.lr={train.lr}: must be > 0")
+    _check_optimizer(cfg)
     for key in ("dp", "pp", "tp"):
         _check(par[key] >= 1, f"parallel.{key}={par[key]}: must be ≥ 1")
     _check(model.dim % model.n_heads == 0, f"model.dim={model.dim} is not divisible by model.n_heads={model.n_heads}")
@@ -228,6 +243,28 @@ def validate(cfg: DictConfig) -> Plan:
     _check(cfg.ckpt.interval >= 0, f"ckpt.interval={cfg.ckpt.interval}: use 0 (off) or a positive step count")
     _check(cfg.ft.on_fault in ("recover", "exit"), f"ft.on_fault={cfg.ft.on_fault!r}: use recover or exit")
     return plan
+
+
+def _check_optimizer(cfg: DictConfig) -> None:
+    """Precision, clipping, schedule, initial weights, backend and export keys."""
+    from chameleon.model.hf import HFCheckpointError, check_hf, hf_checkpoint
+
+    train = cfg.train
+    _check(train.dtype in ("fp32", "bf16"), f"train.dtype={train.dtype!r}: use fp32 or bf16")
+    _check(train.clip_norm >= 0, f"train.clip_norm={train.clip_norm}: use 0 (off) or a positive norm")
+    _check(train.lr_schedule in ("constant", "cosine"), f"train.lr_schedule={train.lr_schedule!r}: use constant or cosine")
+    _check(train.warmup_steps >= 0, f"train.warmup_steps={train.warmup_steps}: must be ≥ 0")
+    _check(0 <= train.min_lr <= train.lr, f"train.min_lr={train.min_lr}: must be in [0, train.lr={train.lr}]")
+    backend = cfg.launcher.backend
+    _check(backend in (None, "gloo", "nccl", "hccl"), f"launcher.backend={backend!r}: use gloo, nccl, hccl or null")
+    _check(not cfg.output.export_hf or cfg.output.save_params,
+           "output.export_hf=true needs the trained parameters: set output.save_params=true")
+    try:
+        source = hf_checkpoint(cfg.model.init)
+        if source is not None:
+            check_hf(source, model_config(cfg))
+    except HFCheckpointError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check(ok: bool, message: str) -> None:

@@ -104,7 +104,7 @@ class Generation:
             world = _new_group(backend, dist.PrefixStore(f"{prefix}/world", store), self.rank, len(self.devices), timeout)
             subgroups = {}
             for members in dict.fromkeys(groups):
-                if me in members and len(members) > 1:
+                if me in members and 1 < len(members) < len(self.devices):  # the world's own set uses the world
                     key = "-".join(map(str, members))
                     sub_store = dist.PrefixStore(f"{prefix}/group/{key}", store)
                     subgroups[members] = _new_group(backend, sub_store, members.index(me), len(members), timeout)

@@ -45,6 +45,7 @@ from chameleon.layout.plan import Plan
 from chameleon.layout.relayout import relayout
 from chameleon.layout.spec import layout_of
 from chameleon.model.llama import param_shapes, stage_param_names
+from chameleon.optim import learning_rate, schedule_of
 from chameleon.report.outputs import JsonLines, write_json
 from chameleon.runtime.checkpoint import checkpoint_root, commit_checkpoint, latest_checkpoint, writers
 from chameleon.runtime.comm import fault_key
@@ -73,6 +74,7 @@ class StepBook:
     sample_ids: list[int] = field(default_factory=list)
     step_time_s: float = 0.0
     reported: set[int] = field(default_factory=set)
+    grad_norm: float | None = None
 
 
 @dataclass
@@ -242,8 +244,9 @@ class Controller:
             if self.ready >= set(self.spec.devices) & self.alive:
                 self._start_generation()
         elif kind == "synced" and msg[2] == self.generation:
-            _, _, _, step, loss, ids, dt = msg
+            _, _, _, step, loss, ids, dt, grad_norm = msg
             book = self.books.setdefault(step, StepBook())
+            book.grad_norm = grad_norm
             book.loss += loss
             book.sample_ids.extend(ids)
             book.step_time_s = max(book.step_time_s, dt)
@@ -296,6 +299,7 @@ class Controller:
         self.metrics.write({
             "step": step, "loss": book.loss, "samples_per_s": batch / dt, "tokens_per_s": batch * self.train["seq_len"] / dt,
             "step_time_s": dt, "compute_s": book.step_time_s, "generation": self.generation, "time": now,
+            "lr": learning_rate(step, **schedule_of(self.train)), "grad_norm": book.grad_norm,
         })
         self.bar.n = step + 1
         self.bar.set_postfix(loss=f"{book.loss:.4f}", gen=self.generation)

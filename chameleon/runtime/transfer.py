@@ -2,8 +2,9 @@
 
 Each parameter travels with its optimizer state: the state is given per *kind*
 (``param``, ``exp_avg``, ``exp_avg_sq``, ...), and every move carries its region
-of every kind. AdamW's scalar ``step`` is the committed step count, the same for
-every parameter, so it is not moved.
+of every kind. AdamW's step count and the learning rate follow from the global
+step, the same on every device, so nothing else is moved. The state stays on its
+device: on an accelerator, sends, receive buffers and new shards live there too.
 
 Rounds run in manifest order. In a round a device packs everything it sends to
 one peer into one buffer and posts one ``isend`` per peer and one ``irecv`` per
@@ -27,7 +28,6 @@ from chameleon.layout.relayout import Manifest, Move
 from chameleon.layout.spec import Region, local_slices, region_numel, region_shape
 
 
-
 class PointToPoint(Protocol):
     """Tagged point-to-point ops between devices, and a wait that may raise to abandon."""
 
@@ -45,6 +45,7 @@ def execute_manifest(
     state: Mapping[str, Mapping[str, torch.Tensor]],
     links: PointToPoint,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Run this device's part of ``manifest`` and return its state in the new layout.
 
@@ -59,6 +60,8 @@ def execute_manifest(
             passes the same kinds.
         links: sends and receives between devices; its ``wait`` raises to abandon.
         dtype: dtype of every state tensor.
+        device: where the state lives; new shards and receive buffers are allocated
+            there (an accelerator's state never takes a host round trip).
 
     Returns:
         Per kind, a new local shard of every tensor in ``manifest.after[me]``.
@@ -71,11 +74,11 @@ def execute_manifest(
     for kind in kinds:
         shapes = {name: tuple(t.shape) for name, t in state[kind].items()}
         expected = {name: region_shape(region) for name, region in before.items()}
-        if shapes != expected or any(t.dtype != dtype for t in state[kind].values()):
-            raise ValueError(f"state[{kind!r}] of device {me} does not match the manifest's regions and {dtype}")
+        if shapes != expected or any(t.dtype != dtype or t.device != torch.device(device) for t in state[kind].values()):
+            raise ValueError(f"state[{kind!r}] of device {me} does not match the manifest's regions, {dtype} and {device}")
     after = manifest.after.get(me, {})
     new = {
-        kind: {name: torch.empty(region_shape(region), dtype=dtype) for name, region in after.items()}
+        kind: {name: torch.empty(region_shape(region), dtype=dtype, device=device) for name, region in after.items()}
         for kind in kinds
     }
     for move in manifest.local:
@@ -97,7 +100,7 @@ def execute_manifest(
             parts = [_source(state[kind], before, m).reshape(-1) for m in out for kind in kinds]
             works.append(links.send(torch.cat(parts), dst))
         for src, into in incoming.items():
-            buffer = torch.empty(sum(region_numel(m.region) for m in into) * len(kinds), dtype=dtype)
+            buffer = torch.empty(sum(region_numel(m.region) for m in into) * len(kinds), dtype=dtype, device=device)
             works.append(links.recv(buffer, src))
             received.append((buffer, into))
         links.wait(*works)

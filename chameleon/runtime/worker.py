@@ -135,7 +135,7 @@ def _run(spec: WorkerSpec, link: _Link) -> None:
         try:
             gen = Generation(
                 store, connect_store=rendezvous, generation=generation, devices=gen_spec.devices, me=spec.device,
-                backend=BACKENDS[launcher["device"]], timeout_s=launcher["timeout_s"], groups=_group_sets(model, gen_spec.plan),
+                backend=launcher["backend"] or BACKENDS[launcher["device"]], timeout_s=launcher["timeout_s"], groups=_group_sets(model, gen_spec.plan),
             )
             established = _establish(gen_spec, state, gen=gen, model=model, cfg=cfg, device=device)
             link.send("ready", generation)
@@ -157,6 +157,7 @@ def _group_sets(model: ModelConfig, plan: Plan) -> list[tuple[int, ...]]:
     layout = layout_of(plan, param_shapes(model), partial(stage_param_names, model))
     sets = [g.devices for groups in sync_rounds(layout) for g in groups]
     sets += [st.devices for pipe in plan.pipelines for st in pipe.stages if st.tp > 1]
+    sets.append(tuple(sorted(plan.devices)))  # the global gradient norm's all-reduce
     return sets
 
 
@@ -169,18 +170,18 @@ def _establish(gen_spec: GenerationSpec, state: StageState | None, *, gen: Gener
     role = role_of(gen_spec.plan, gen.me)
     if gen_spec.manifest is not None:
         held = state.tensors() if state is not None else {k: {} for k in ("param", "exp_avg", "exp_avg_sq")}
-        moved = execute_manifest(gen_spec.manifest, me=gen.me, state=held, links=gen)
+        moved = execute_manifest(gen_spec.manifest, me=gen.me, state=held, links=gen, device=device)
         if role is None:
             return None
         regions = stage_regions(model, role, param_shapes(model))
-        return StageState.from_tensors(moved, regions, committed_steps=gen_spec.resume_step, train=train, device=device)
+        return StageState(moved, regions, train=train, device=device)
     if role is None:
         return None
     if gen_spec.checkpoint is not None:
         regions = stage_regions(model, role, param_shapes(model))
         info = latest_checkpoint(Path(gen_spec.checkpoint))
         loaded = gen.call(partial(load_regions, info, regions))
-        return StageState.from_tensors(loaded, regions, committed_steps=info.committed_steps, train=train, device=device)
+        return StageState(loaded, regions, train=train, device=device)
     return StageState.create(model, role, seed=train["seed"], train=train, device=device)
 
 
@@ -195,24 +196,25 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen, model, cf
     tp = MegatronTP(partial(gen.all_reduce, members=role.spec.devices)) if role.spec.tp > 1 else None
     actions = step_actions(plan)[gen.me]
     saver = _Saver(cfg, layout, gen=gen, link=link, run_dir=run_dir)
+    norm_regions = writers(layout).get(gen.me, {})
     for step in range(gen_spec.resume_step, train["steps"]):
         start = time.perf_counter()
         try:
             result = run_step(
                 step, plan=plan, actions=actions, state=state, stream=stream, gen=gen, model=model, train=train,
-                rounds=rounds, tp=tp, on_phase=inject,
+                rounds=rounds, tp=tp, norm_regions=norm_regions, on_phase=inject,
             )
         except PeerFailure:
             state.discard_gradients()
             raise
-        link.send("synced", gen.generation, step, result.loss_sum, result.sample_ids, time.perf_counter() - start)
+        link.send("synced", gen.generation, step, result.loss_sum, result.sample_ids, time.perf_counter() - start, result.grad_norm)
         try:
             _await(gen, commit_key(gen.generation, step))
         except PeerFailure:
             state.discard_gradients()
             raise
         inject(step, "optimizer")
-        state.optimizer_step()
+        state.optimizer_step(step, grad_norm=result.grad_norm)
         saver.after_step(step + 1, state)
     saver.finish()
     if cfg["output"]["save_params"]:
