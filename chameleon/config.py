@@ -7,6 +7,7 @@ the model fits in memory — and raises :class:`ConfigError` naming the key and 
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,7 +208,7 @@ def validate(cfg: DictConfig) -> Plan:
     for key in ("steps", "global_batch", "micro_batch", "seq_len"):
         _check(train[key] >= 1, f"train.{key}={train[key]}: must be ≥ 1")
     _check(train.lr > 0, f"train.lr={train.lr}: must be > 0")
-    _check_optimizer(cfg)
+    _check_training_keys(cfg)
     for key in ("dp", "pp", "tp"):
         _check(par[key] >= 1, f"parallel.{key}={par[key]}: must be ≥ 1")
     _check(model.dim % model.n_heads == 0, f"model.dim={model.dim} is not divisible by model.n_heads={model.n_heads}")
@@ -245,8 +246,8 @@ def validate(cfg: DictConfig) -> Plan:
     return plan
 
 
-def _check_optimizer(cfg: DictConfig) -> None:
-    """Precision, clipping, schedule, initial weights, backend and export keys."""
+def _check_training_keys(cfg: DictConfig) -> None:
+    """Precision, clipping, schedule, initial weights, backend, export and report keys."""
     from chameleon.model.hf import HFCheckpointError, check_hf, hf_checkpoint
 
     train = cfg.train
@@ -259,6 +260,8 @@ def _check_optimizer(cfg: DictConfig) -> None:
     _check(backend in (None, "gloo", "nccl", "hccl"), f"launcher.backend={backend!r}: use gloo, nccl, hccl or null")
     _check(not cfg.output.export_hf or cfg.output.save_params,
            "output.export_hf=true needs the trained parameters: set output.save_params=true")
+    _check(not cfg.report.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+           "report.tensorboard=true needs the tensorboard package: pip install 'chameleon[tensorboard]'")
     try:
         source = hf_checkpoint(cfg.model.init)
         if source is not None:

@@ -82,10 +82,15 @@ def sum_of_squares(tensors: Iterable[Tensor], *, device: torch.device) -> Tensor
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
-    """The factor ``min(1, max_norm / (total_norm + 1e-6))`` gradients are scaled by; 1 when ``max_norm ≤ 0``."""
+    """The factor ``min(1, max_norm / (total_norm + 1e-6))`` gradients are scaled by; 1 when ``max_norm ≤ 0``.
+
+    Computed in fp32 exactly as ``torch.nn.utils.clip_grads_with_norm_`` does, so the
+    same norm scales the same gradients to the same bits.
+    """
     if max_norm <= 0:
         return 1.0
-    return min(1.0, max_norm / (total_norm + CLIP_EPS))
+    coefficient = (torch.tensor(total_norm, dtype=torch.float32) + CLIP_EPS).reciprocal() * max_norm
+    return torch.clamp(coefficient, max=1.0).item()
 
 
 def scale(tree: Tree, factor: float) -> dict[str, Tensor]:
