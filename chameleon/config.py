@@ -279,7 +279,7 @@ def _check_memory(cfg: DictConfig, plan: Plan) -> None:
     """Refuse plans whose per-device state cannot fit; say how to shrink."""
     from chameleon.runtime.memory import device_memory_bytes, plan_memory_bytes
 
-    need = plan_memory_bytes(model_config(cfg), plan, seq_len=cfg.train.seq_len)
+    need = plan_memory_bytes(model_config(cfg), plan, seq_len=cfg.train.seq_len, dtype=cfg.train.dtype)
     try:
         per_device, total = device_memory_bytes(cfg.launcher)
     except RuntimeError as err:

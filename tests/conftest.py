@@ -51,6 +51,22 @@ def run_entry(entry: str, run_dir: Path, *overrides: str, timeout: float = 240) 
     return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
 
 
+def committed(run: Run) -> dict[int, dict]:
+    """The ``metrics.jsonl`` record of every step, the last commit winning (a checkpoint reload redoes steps)."""
+    lines = (run.run_dir / "metrics.jsonl").read_text().splitlines()
+    return {m["step"]: m for m in map(json.loads, lines)}
+
+
+def assert_same_clipping(run: Run, reference: Run, *, clip_norm: float, tolerance: float) -> None:
+    """Every step's global gradient norm equals the reference's and was clipped; the learning rate too."""
+    got, ref = committed(run), committed(reference)
+    assert got.keys() == ref.keys()
+    for step, m in ref.items():
+        assert m["grad_norm"] > clip_norm, "the reference must clip at every step, or the check proves nothing"
+        assert abs(got[step]["grad_norm"] - m["grad_norm"]) <= tolerance * m["grad_norm"], step
+        assert got[step]["lr"] == m["lr"], step
+
+
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Largest per-tensor ``‖a − b‖ / ‖b‖`` over the union of names (missing names fail)."""
     assert a.keys() == b.keys()
@@ -65,8 +81,10 @@ def reference_run(tmp_path_factory) -> Run:
     return run
 
 
-# A short run of the tiny model; every layout test trains exactly these steps.
+# A short run of the tiny model; every layout test trains exactly these steps, with the global
+# gradient norm clipped (it is above 0.5 at every step) and a warm-up + cosine learning rate.
 SMALL_RUN = (
     "train.steps=6", "model.dim=64", "model.n_layers=4", "train.global_batch=8", "train.micro_batch=2",
-    "train.seq_len=32", "failure=none", "parallel=dp",
+    "train.seq_len=32", "failure=none", "parallel=dp", "train.clip_norm=0.5", "train.lr_schedule=cosine",
+    "train.warmup_steps=2",
 )

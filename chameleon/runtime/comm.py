@@ -11,7 +11,9 @@ Gloo cannot interrupt a blocked collective or connect (``../shared/mission/probe
   point-to-point op — runs in a daemon thread while the main thread polls its
   completion and the fault flag the controller sets in the store. Gloo's
   point-to-point ``Work.is_completed()`` only turns true inside ``wait()``, hence
-  the thread rather than polling ``is_completed``.
+  the thread rather than polling ``is_completed``. NCCL and HCCL mean something
+  else by ``wait()``; their completion is polled as they define it
+  (:mod:`chameleon.runtime.completion`).
 
 Devices keep their ids across generations; each generation maps them to ranks.
 """
@@ -25,6 +27,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from chameleon.runtime.completion import abort, polls_completion, post_p2p, wait_polled
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 POLL_INTERVAL_S = 0.005  # fault-flag checks while waiting; completion itself wakes the wait at once
@@ -93,6 +97,7 @@ class Generation:
         self.generation = generation
         self.devices = tuple(devices)
         self.me = me
+        self.backend = backend
         self._rank = {d: r for r, d in enumerate(self.devices)}
         self._fault = fault_key(generation)
         self._waiter = _Waiter(name=f"chameleon-wait-gen{generation}")
@@ -140,13 +145,16 @@ class Generation:
     def wait(self, *works: dist.Work) -> None:
         """Wait for ``works``, raising :class:`PeerFailure` as soon as a fault is flagged."""
         for work in works:
-            self.call(work.wait)
+            if polls_completion(self.backend):
+                wait_polled(work, self.check, interval_s=POLL_INTERVAL_S)
+            else:
+                self.call(work.wait)
 
     def send(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work:
-        return self._post(self.world.send, [tensor], self.rank_of(device), tag)
+        return self._post(post_p2p, self.backend, self.world.send, tensor, self.rank_of(device), tag, False)
 
     def recv(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work:
-        return self._post(self.world.recv, [tensor], self.rank_of(device), tag)
+        return self._post(post_p2p, self.backend, self.world.recv, tensor, self.rank_of(device), tag, True)
 
     def all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...] | None = None) -> None:
         """In-place sum over ``members`` (default: every device)."""
@@ -161,8 +169,13 @@ class Generation:
             raise PeerFailure(str(err)) from err
 
     def abandon(self) -> None:
-        """Leave this generation for good: keep it referenced so no destructor blocks on dead peers."""
+        """Leave this generation for good: keep it referenced so no destructor blocks on dead peers.
+
+        NCCL and HCCL communicators are aborted too, so no device stays blocked in a dead peer's op.
+        """
         ABANDONED.append(self)
+        if polls_completion(self.backend):
+            abort([self.world, *self._groups.values()])
 
 
 class _Pending:
