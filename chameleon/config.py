@@ -258,6 +258,13 @@ def _check_training_keys(cfg: DictConfig) -> None:
     _check(0 <= train.min_lr <= train.lr, f"train.min_lr={train.min_lr}: must be in [0, train.lr={train.lr}]")
     backend = cfg.launcher.backend
     _check(backend in (None, "gloo", "nccl", "hccl"), f"launcher.backend={backend!r}: use gloo, nccl, hccl or null")
+    if cfg.launcher.device == "cuda" and backend in (None, "nccl"):
+        import torch
+
+        gpus = torch.cuda.device_count()
+        _check(gpus == 0 or cfg.launcher.nproc_per_node <= gpus,
+               f"NCCL needs a GPU per worker but launcher.nproc_per_node={cfg.launcher.nproc_per_node} and {gpus} "
+               "GPU(s) are visible: set launcher.backend=gloo (workers share GPUs) or fewer workers per node")
     _check(not cfg.output.export_hf or cfg.output.save_params,
            "output.export_hf=true needs the trained parameters: set output.save_params=true")
     _check(not cfg.report.tensorboard or importlib.util.find_spec("tensorboard") is not None,
