@@ -57,7 +57,13 @@ def committed(run: Run) -> dict[int, dict]:
     return {m["step"]: m for m in map(json.loads, lines)}
 
 
-def assert_same_clipping(run: Run, reference: Run, *, clip_norm: float, tolerance: float) -> None:
+# Gradient norms are compared to 1e-4, not the 1e-5 of losses and parameters: a gradient reacts to the
+# parameters' accumulated reassociation drift (≤ 1e-5) more than the loss does; the worst measured is
+# 1.2e-5 (dp2 × tp2 after a kill). A micro-batch lost or counted twice moves the norm by percents.
+GRAD_NORM_TOLERANCE = 1e-4
+
+
+def assert_same_clipping(run: Run, reference: Run, *, clip_norm: float, tolerance: float = GRAD_NORM_TOLERANCE) -> None:
     """Every step's global gradient norm equals the reference's and was clipped; the learning rate too."""
     got, ref = committed(run), committed(reference)
     assert got.keys() == ref.keys()

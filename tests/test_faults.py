@@ -62,7 +62,7 @@ def assert_nothing_lost(run, reference) -> dict:
         assert abs(a - b) <= TOLERANCE * abs(b)
     assert relative_difference(run.params, reference.params) <= TOLERANCE
     assert got["sample_ids_digest"] == ref["sample_ids_digest"]
-    assert_same_clipping(run, reference, clip_norm=CLIP_NORM, tolerance=TOLERANCE)
+    assert_same_clipping(run, reference, clip_norm=CLIP_NORM)
     assert not run.leftover_workers()
     return got
 
