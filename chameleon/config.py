@@ -236,6 +236,7 @@ def validate(cfg: DictConfig) -> Plan:
         f"set {_world_fix(launcher, len(plan.devices))}",
     )
     _check_memory(cfg, plan)
+    _check_backend(cfg, plan)
     try:
         planned_faults(OmegaConf.to_container(cfg.failure, resolve=True), world=n_devices)
     except ValueError as err:
@@ -247,7 +248,7 @@ def validate(cfg: DictConfig) -> Plan:
 
 
 def _check_training_keys(cfg: DictConfig) -> None:
-    """Precision, clipping, schedule, initial weights, backend, export and report keys."""
+    """Precision, clipping, schedule, initial weights, export and report keys."""
     from chameleon.model.hf import HFCheckpointError, check_hf, hf_checkpoint
 
     train = cfg.train
@@ -256,15 +257,6 @@ def _check_training_keys(cfg: DictConfig) -> None:
     _check(train.lr_schedule in ("constant", "cosine"), f"train.lr_schedule={train.lr_schedule!r}: use constant or cosine")
     _check(train.warmup_steps >= 0, f"train.warmup_steps={train.warmup_steps}: must be ≥ 0")
     _check(0 <= train.min_lr <= train.lr, f"train.min_lr={train.min_lr}: must be in [0, train.lr={train.lr}]")
-    backend = cfg.launcher.backend
-    _check(backend in (None, "gloo", "nccl", "hccl"), f"launcher.backend={backend!r}: use gloo, nccl, hccl or null")
-    if cfg.launcher.device == "cuda" and backend in (None, "nccl"):
-        import torch
-
-        gpus = torch.cuda.device_count()
-        _check(gpus == 0 or cfg.launcher.nproc_per_node <= gpus,
-               f"NCCL needs a GPU per worker but launcher.nproc_per_node={cfg.launcher.nproc_per_node} and {gpus} "
-               "GPU(s) are visible: set launcher.backend=gloo (workers share GPUs) or fewer workers per node")
     _check(not cfg.output.export_hf or cfg.output.save_params,
            "output.export_hf=true needs the trained parameters: set output.save_params=true")
     _check(not cfg.report.tensorboard or importlib.util.find_spec("tensorboard") is not None,
@@ -275,6 +267,25 @@ def _check_training_keys(cfg: DictConfig) -> None:
             check_hf(source, model_config(cfg))
     except HFCheckpointError as err:
         raise ConfigError(str(err)) from None
+
+
+def _check_backend(cfg: DictConfig, plan: Plan) -> None:
+    """``launcher.backend`` against the device, the workers and the plan (after the device was found)."""
+    backend, device = cfg.launcher.backend, cfg.launcher.device
+    _check(backend in (None, "gloo", "nccl", "hccl"), f"launcher.backend={backend!r}: use gloo, nccl, hccl or null")
+    if device == "cpu" or backend == "gloo":
+        return
+    _check(max(p.n_stages for p in plan.pipelines) == 1,
+           f"launcher.device={device} pipelines stages over {backend or 'its default backend'}, whose sends block "
+           "until matched and ignore tags (1F1B's order is not batched for it yet): set launcher.backend=gloo, or "
+           "use data and tensor parallelism (parallel.pp=1)")
+    if device == "cuda" and backend in (None, "nccl"):
+        import torch
+
+        _check(cfg.launcher.nproc_per_node <= torch.cuda.device_count(),
+               f"NCCL needs a GPU per worker but launcher.nproc_per_node={cfg.launcher.nproc_per_node} and "
+               f"{torch.cuda.device_count()} GPU(s) are visible: set launcher.backend=gloo (workers share GPUs) "
+               "or fewer workers per node")
 
 
 def _check(ok: bool, message: str) -> None:
