@@ -12,10 +12,13 @@ failure-free bf16 run of the same starting layout. Where the math is the same th
 are bitwise equal: every step before the fault, and a whole run restarted from a
 checkpoint into the same layout. After a recovery the plan sums gradients in another
 order; in fp32 that moves the masters by ~1e-8, which can flip a bf16 rounding of the
-compute copy. The documented bound: per-step loss within 2e-3 relative — five times the
-largest drift measured between two bf16 runs whose reductions genuinely differ (TP
-all-reduces in bf16 vs none: 4e-4 over 8 steps) — and parameters within 1e-3 relative
-(a lost or doubled update moves them by ~1e-1).
+compute copy. The documented bound (``benchmarks/bench_precision.py`` measures the drift):
+per-step loss within 2e-3 relative — five times the largest drift between two bf16 runs
+whose arithmetic genuinely differs (TP all-reduces in bf16 vs none: 4.4e-4 over 8 steps)
+— and, without TP, parameters within 1e-3 relative (measured: ≤ 3e-8; a lost or doubled
+update moves them by ~1e-1). With TP the bf16 all-reduces change the gradients
+themselves, AdamW amplifies that where gradients are near zero, and only the loss bound
+is meaningful.
 """
 
 from __future__ import annotations
