@@ -78,14 +78,15 @@ def test_mismatched_model_names_every_override(hf_dir):
 
 
 def test_training_starts_from_and_exports_hugging_face_weights(tmp_path, hf_dir):
-    """A pp2×tp2 run initialised from the checkpoint: its first loss is transformers' on the same batch,
-    and its exported weights reproduce, in transformers, the logits of its final parameters."""
+    """A tp2 run initialised from the checkpoint (each rank slices its heads out of the un-permuted rows):
+    its first loss is transformers' on the same batch, and its exported weights reproduce, in
+    transformers, the logits of its final parameters."""
     model_keys = [f"model.{k}={v}" for k, v in (("dim", 32), ("n_layers", 2), ("n_heads", 4), ("n_kv_heads", 2),
                                                 ("multiple_of", 16), ("rope_theta", 500.0))]
     run = run_entry(
         "train", tmp_path / "run", *model_keys, f"model.init=hf:{hf_dir}", "train.steps=2", "train.global_batch=4",
-        "train.micro_batch=2", "train.seq_len=16", "failure=none", "launcher.nproc_per_node=4", "parallel.dp=1",
-        "parallel.pp=2", "parallel.tp=2", "output.export_hf=true",
+        "train.micro_batch=2", "train.seq_len=16", "failure=none", "launcher.nproc_per_node=2", "parallel.dp=1",
+        "parallel.pp=1", "parallel.tp=2", "output.export_hf=true",
     )
     assert run.returncode == 0, run.stderr
     stream = SampleStream.from_config(path=None, seq_len=16, seed=0)
