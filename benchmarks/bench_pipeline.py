@@ -23,6 +23,7 @@ import argparse
 import cProfile
 import io
 import pstats
+from dataclasses import asdict
 from functools import partial
 
 import torch
@@ -32,6 +33,7 @@ from _common import HOST, TIMEOUT_S, Timings, compare, header, launch, timed
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+from chameleon.config import TrainConfig
 from chameleon.data.stream import SampleStream, micro_batch_samples
 from chameleon.layout.colouring import sync_rounds
 from chameleon.layout.plan import Plan, even_plan, micro_batch_ranges
@@ -48,7 +50,8 @@ from chameleon.runtime.schedule import run_step, step_actions
 from chameleon.runtime.stage import StageState, role_of
 
 CPU = torch.device("cpu")
-TRAIN = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "seed": 0}
+# The plain side runs torch.optim.AdamW at a constant rate, unclipped: so does ours.
+TRAIN = {**asdict(TrainConfig()), "lr_schedule": "constant", "warmup_steps": 0, "clip_norm": 0.0}
 
 
 class FunctionalStage(nn.Module):
@@ -127,7 +130,7 @@ def _worker(rank: int, world: int, store, model: ModelConfig, train: dict, plan:
                           train=train, rounds=rounds, tp=None)
         if last:
             ours_losses.append(result.loss_sum)
-        state.optimizer_step()
+        state.optimizer_step(step)
 
     impls = {"ours": ours_step, "plain": plain_step}
     counters = dict.fromkeys(impls, 0)

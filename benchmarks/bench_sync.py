@@ -20,12 +20,14 @@ slowest rank's; A and B alternate in blocks (``--rounds`` pairs).
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from _common import HOST, TIMEOUT_S, Timings, compare, header, launch, timed
 
+from chameleon.config import TrainConfig
 from chameleon.layout.colouring import sync_groups, sync_rounds
 from chameleon.layout.plan import Plan, plan_from_spec, split_layers
 from chameleon.layout.spec import Layout, layout_of
@@ -35,7 +37,8 @@ from chameleon.runtime.comm import Generation, connect_store
 from chameleon.runtime.schedule import sync_gradients
 from chameleon.runtime.stage import StageState, role_of
 
-TRAIN = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0}
+# The plain side runs torch.optim.AdamW at a constant rate, unclipped: so does ours.
+TRAIN = {**asdict(TrainConfig()), "lr_schedule": "constant", "warmup_steps": 0, "clip_norm": 0.0}
 
 
 def layer_units(layout: Layout) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:

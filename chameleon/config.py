@@ -8,6 +8,7 @@ the model fits in memory — and raises :class:`ConfigError` naming the key and 
 from __future__ import annotations
 
 import codecs
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,11 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     seed: int = 0
+    dtype: str = "fp32"  # fp32 | bf16 (bf16 compute; fp32 master weights, gradients and AdamW moments)
+    clip_norm: float = 1.0  # clip the global gradient norm (over the whole plan) to this; 0 disables
+    lr_schedule: str = "cosine"  # constant | cosine (by global step, after the linear warm-up)
+    warmup_steps: int = 10
+    min_lr: float = 3e-4  # where the cosine schedule ends
 
 
 @dataclass
@@ -83,6 +89,7 @@ class LauncherConfig:
     timeout_s: float = 60.0  # backend and store timeouts; a worker's bound on silence from the controller
     threads_per_worker: int = 1
     memory_per_device_gb: float | None = None  # None: this host's RAM (cpu) or the device's memory
+    backend: str | None = None  # None: by device (gloo, nccl, hccl); gloo also drives cuda (e.g. workers sharing one GPU)
 
 
 @dataclass
@@ -112,6 +119,13 @@ class CheckpointConfig:
 class OutputConfig:
     progress: bool = True  # a progress bar on stderr
     save_params: bool = True  # final_params.pt in the run dir
+    export_hf: bool = False  # also hf/ in the run dir: the trained weights as a Hugging Face Llama checkpoint
+
+
+@dataclass
+class ReportConfig:
+    plots: bool = True  # run.png in the run dir: loss and throughput, each fault and its recovery marked
+    tensorboard: bool = False  # live scalars in <run dir>/tensorboard (pip install 'chameleon[tensorboard]')
 
 
 @dataclass
@@ -123,6 +137,7 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -217,6 +232,7 @@ def validate(cfg: DictConfig) -> Plan:
     for key in ("steps", "global_batch", "micro_batch", "seq_len"):
         _check(train[key] >= 1, f"train.{key}={train[key]}: must be ≥ 1")
     _check(train.lr > 0, f"train.lr={train.lr}: must be > 0")
+    _check_training_keys(cfg)
     for key in ("dp", "pp", "tp"):
         _check(par[key] >= 1, f"parallel.{key}={par[key]}: must be ≥ 1")
     _check(model.dim % model.n_heads == 0, f"model.dim={model.dim} is not divisible by model.n_heads={model.n_heads}")
@@ -244,6 +260,7 @@ def validate(cfg: DictConfig) -> Plan:
         f"set {_world_fix(launcher, len(plan.devices))}",
     )
     _check_memory(cfg, plan)
+    _check_backend(cfg, plan)
     try:
         planned_faults(OmegaConf.to_container(cfg.failure, resolve=True), world=n_devices, nnodes=launcher.nnodes)
     except ValueError as err:
@@ -317,6 +334,47 @@ def _check_resume(resume: str, model: ModelConfig) -> None:
         raise ConfigError(f"ckpt.resume={resume}: {err}") from None
 
 
+def _check_training_keys(cfg: DictConfig) -> None:
+    """Precision, clipping, schedule, initial weights, export and report keys."""
+    from chameleon.model.hf import HFCheckpointError, check_hf, hf_checkpoint
+
+    train = cfg.train
+    _check(train.dtype in ("fp32", "bf16"), f"train.dtype={train.dtype!r}: use fp32 or bf16")
+    _check(train.clip_norm >= 0, f"train.clip_norm={train.clip_norm}: use 0 (off) or a positive norm")
+    _check(train.lr_schedule in ("constant", "cosine"), f"train.lr_schedule={train.lr_schedule!r}: use constant or cosine")
+    _check(train.warmup_steps >= 0, f"train.warmup_steps={train.warmup_steps}: must be ≥ 0")
+    _check(0 <= train.min_lr <= train.lr, f"train.min_lr={train.min_lr}: must be in [0, train.lr={train.lr}]")
+    _check(not cfg.output.export_hf or cfg.output.save_params,
+           "output.export_hf=true needs the trained parameters: set output.save_params=true")
+    _check(not cfg.report.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+           "report.tensorboard=true needs the tensorboard package: pip install 'chameleon[tensorboard]'")
+    try:
+        source = hf_checkpoint(cfg.model.init)
+        if source is not None:
+            check_hf(source, model_config(cfg))
+    except HFCheckpointError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_backend(cfg: DictConfig, plan: Plan) -> None:
+    """``launcher.backend`` against the device, the workers and the plan (after the device was found)."""
+    backend, device = cfg.launcher.backend, cfg.launcher.device
+    _check(backend in (None, "gloo", "nccl", "hccl"), f"launcher.backend={backend!r}: use gloo, nccl, hccl or null")
+    if device == "cpu" or backend == "gloo":
+        return
+    _check(max(p.n_stages for p in plan.pipelines) == 1,
+           f"launcher.device={device} pipelines stages over {backend or 'its default backend'}, whose sends block "
+           "until matched and ignore tags (1F1B's order is not batched for it yet): set launcher.backend=gloo, or "
+           "use data and tensor parallelism (parallel.pp=1)")
+    if device == "cuda" and backend in (None, "nccl"):
+        import torch
+
+        _check(cfg.launcher.nproc_per_node <= torch.cuda.device_count(),
+               f"NCCL needs a GPU per worker but launcher.nproc_per_node={cfg.launcher.nproc_per_node} and "
+               f"{torch.cuda.device_count()} GPU(s) are visible: set launcher.backend=gloo (workers share GPUs) "
+               "or fewer workers per node")
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -326,7 +384,7 @@ def _check_memory(cfg: DictConfig, plan: Plan) -> None:
     """Refuse plans whose per-device state cannot fit; say how to shrink."""
     from chameleon.runtime.memory import device_memory_bytes, plan_memory_bytes
 
-    need = plan_memory_bytes(model_config(cfg), plan, seq_len=cfg.train.seq_len)
+    need = plan_memory_bytes(model_config(cfg), plan, seq_len=cfg.train.seq_len, dtype=cfg.train.dtype)
     try:
         per_device, total = device_memory_bytes(cfg.launcher)
     except RuntimeError as err:

@@ -14,11 +14,12 @@ import sys
 from pathlib import Path
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from chameleon import cli
-from chameleon.config import CONF_DIR, ConfigError, register_configs, to_container, validate
+from chameleon.config import CONF_DIR, ConfigError, model_config, register_configs, to_container, validate
 
 USAGE = """
 usage: python -m chameleon.train [+recipe=NAME] [GROUP=OPTION ...] [KEY=VALUE ...] [--multirun]
@@ -52,6 +53,9 @@ def _job(cfg: DictConfig) -> None:
         plan = validate(cfg)
     except ConfigError as err:
         cli.fail(err)
+    from chameleon.model.hf import export_hf
+    from chameleon.report.run_plots import plot_run
+    from chameleon.report.tensorboard import tensorboard_mirror
     from chameleon.runtime.checkpoint import CheckpointError
     from chameleon.runtime.controller import run_training
     from chameleon.runtime.errors import JobRestart, Preempted, TrainingError
@@ -64,7 +68,8 @@ def _job(cfg: DictConfig) -> None:
         cli.fail(err)
     print(f"plan ({len(plan.devices)} workers):\n{plan.describe()}", flush=True)
     try:
-        summary = run_training(to_container(cfg), plan=plan, run_dir=run_dir, secret=secret)
+        with tensorboard_mirror(run_dir, enabled=cfg.report.tensorboard):
+            summary = run_training(to_container(cfg), plan=plan, run_dir=run_dir, secret=secret)
     except JobRestart as err:
         _stop(f"chameleon: {err}", EXIT_RELAUNCH)
     except Preempted as err:
@@ -73,6 +78,11 @@ def _job(cfg: DictConfig) -> None:
         _stop(f"chameleon: training failed: {err}", EXIT_FAILED)
     except KeyboardInterrupt:
         _stop("chameleon: interrupted (Ctrl-C); every worker is stopped", EXIT_INTERRUPTED)
+    finally:
+        if cfg.report.plots:
+            plot_run(run_dir)
+    if cfg.output.export_hf:
+        export_hf(torch.load(run_dir / "final_params.pt", weights_only=True), model_config(cfg), run_dir / "hf")
     print(summary, flush=True)
 
 

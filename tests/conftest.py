@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from chameleon.report.compare import mismatches
+from chameleon.report.compare import Drift, mismatches
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
 
@@ -74,13 +74,35 @@ def run_entry(entry: str, run_dir: Path, *overrides: str, timeout: float = 240, 
     return Run(proc.returncode, out, err, run_dir, proc.pid)
 
 
-def assert_nothing_lost(run: Run, reference: Run, *, drift: float = 0.0) -> dict:
+def assert_nothing_lost(run: Run, reference: Run, *, drift: Drift = Drift()) -> dict:
     """The run ended well, lost and redid nothing (chameleon/report/compare.py), and left no process behind."""
     assert run.returncode == 0, run.stderr
     got = run.summary
     assert not mismatches(got, run.params, reference.summary, reference.params, drift=drift)
     assert not run.leftover_workers()
     return got
+
+
+def committed(run: Run) -> dict[int, dict]:
+    """The ``metrics.jsonl`` record of every step, the last commit winning (a checkpoint reload redoes steps)."""
+    lines = (run.run_dir / "metrics.jsonl").read_text().splitlines()
+    return {m["step"]: m for m in map(json.loads, lines)}
+
+
+# Gradient norms are compared to 1e-4, not the 1e-5 of losses and parameters: a gradient reacts to the
+# parameters' accumulated reassociation drift (≤ 1e-5) more than the loss does; the worst measured is
+# 1.2e-5 (dp2 × tp2 after a kill). A micro-batch lost or counted twice moves the norm by percents.
+GRAD_NORM_TOLERANCE = 1e-4
+
+
+def assert_same_clipping(run: Run, reference: Run, *, clip_norm: float, tolerance: float = GRAD_NORM_TOLERANCE) -> None:
+    """Every step's global gradient norm equals the reference's and was clipped; the learning rate too."""
+    got, ref = committed(run), committed(reference)
+    assert got.keys() == ref.keys()
+    for step, m in ref.items():
+        assert m["grad_norm"] > clip_norm, "the reference must clip at every step, or the check proves nothing"
+        assert abs(got[step]["grad_norm"] - m["grad_norm"]) <= tolerance * m["grad_norm"], step
+        assert got[step]["lr"] == m["lr"], step
 
 
 @pytest.fixture(scope="session")
@@ -91,8 +113,10 @@ def reference_run(tmp_path_factory) -> Run:
     return run
 
 
-# A short run of the tiny model; every layout test trains exactly these steps.
+# A short run of the tiny model; every layout test trains exactly these steps, with the global
+# gradient norm clipped (it is above 0.5 at every step) and a warm-up + cosine learning rate.
 SMALL_RUN = (
     "train.steps=6", "model.dim=64", "model.n_layers=4", "train.global_batch=8", "train.micro_batch=2",
-    "train.seq_len=32", "failure=none", "parallel=dp",
+    "train.seq_len=32", "failure=none", "parallel=dp", "train.clip_norm=0.5", "train.lr_schedule=cosine",
+    "train.warmup_steps=2",
 )

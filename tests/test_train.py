@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -15,8 +16,9 @@ from chameleon.config import CONF_DIR, register_configs
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import init_params, param_count
 from chameleon.report.compare import relative_difference
-from conftest import ENV, SMALL_RUN, run_entry
+from conftest import ENV, SMALL_RUN, assert_same_clipping, run_entry
 
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 TOLERANCE = 1e-5  # relative, fp32: only floating-point reassociation differs between layouts
 
 
@@ -44,6 +46,24 @@ def test_layout_reproduces_single_process(tmp_path, reference_run, layout):
     assert relative_difference(run.params, reference_run.params) <= TOLERANCE
     assert got["sample_ids_digest"] == ref["sample_ids_digest"]
     assert run.stdout.strip().splitlines()[-1] == str(run.run_dir / "summary.json")
+    # one global norm over every pipeline, stage and TP shard, clipped at every step, as in one process
+    assert_same_clipping(run, reference_run, clip_norm=0.5)
+
+
+def test_clipping_is_exact_while_a_stage_is_rerouted(tmp_path, reference_run):
+    """A kill reroutes a lost stage's micro-batches to its peer: the norm still counts every tensor once."""
+    run = run_entry("train", tmp_path / "run", *SMALL_RUN, "launcher.nproc_per_node=4", "parallel.dp=2",
+                    "parallel.pp=2", "policy.name=reroute", "failure=kill", "failure.rank=3", "failure.step=2",
+                    "failure.phase=forward", *(("report.tensorboard=true",) if HAS_TENSORBOARD else ()))
+    assert run.returncode == 0, run.stderr
+    assert [r["chosen"] for r in run.summary["recoveries"]] == ["reroute"]
+    assert (run.run_dir / "run.png").is_file()
+    if HAS_TENSORBOARD:  # mirrored live by the launching process
+        assert list((run.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    for a, b in zip(run.summary["losses"], reference_run.summary["losses"], strict=True):
+        assert abs(a - b) <= TOLERANCE * abs(b)
+    assert relative_difference(run.params, reference_run.params) <= TOLERANCE
+    assert_same_clipping(run, reference_run, clip_norm=0.5)
 
 
 def test_outputs(reference_run):
@@ -68,8 +88,9 @@ def test_outputs(reference_run):
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
         (("launcher.device=npu",), "torch_npu"),  # torch-npu is kept out of the test environment
         (("+recipe=llama7b",), "GiB"),
+        (("train.dtype=fp16",), "train.dtype"),
     ],
-    ids=["world", "pp>layers", "batch", "tp", "device", "no-cuda", "no-npu", "memory"],
+    ids=["world", "pp>layers", "batch", "tp", "device", "no-cuda", "no-npu", "memory", "dtype"],
 )
 def test_bad_config_fails_fast_with_one_line(tmp_path, overrides, key):
     run = run_entry("train", tmp_path / "run", *overrides, timeout=60)

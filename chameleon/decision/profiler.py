@@ -3,8 +3,9 @@
 A :class:`Profile` is the estimator's only input about hardware. ``kind=local``
 measures this machine for real — per-layer forward/backward time of
 :func:`chameleon.model.llama.stage_forward`, the embedding and head extras, the
-bytes autograd saves, an AdamW step, and gloo point-to-point, all-reduce and
-group-creation costs with a few real processes — and caches the result as JSON.
+bytes autograd saves, an AdamW step (:func:`chameleon.optim.adamw`), and gloo
+point-to-point, all-reduce and group-creation costs with a few real processes —
+and caches the result as JSON.
 ``kind=analytic`` derives the same fields from datasheet figures (6·params·tokens
 FLOPs, fwd:bwd = 1:2) for hardware we cannot run.
 """
@@ -26,6 +27,7 @@ import torch
 from chameleon.decision.config import ClusterConfig
 from chameleon.model import llama
 from chameleon.model.config import ModelConfig
+from chameleon.optim import adamw, init_moments
 
 
 @dataclass(frozen=True)
@@ -261,10 +263,10 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
     last_f, last_b, last_act = _fwd_bwd(model, params, hidden, tokens, layers=(1, 1), first=False, last=True)
     layer_p, first_p, last_p = _layer_params(model)
     layer_names = llama.stage_param_names(model, (0, 1), first=False, last=False)
-    opt = torch.optim.AdamW([params[n] for n in layer_names], lr=1e-4)
-    for n in layer_names:
-        params[n].grad = torch.randn_like(params[n])
-    opt_s = _timed(opt.step) / layer_p
+    layer = {n: params[n].detach() for n in layer_names}
+    grads, moments = {n: torch.randn_like(t) for n, t in layer.items()}, init_moments(layer)
+    opt_s = _timed(lambda: adamw(layer, grads, moments, 1, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
+                                 weight_decay=0.0)) / layer_p  # the update the runtime applies
     comm = measure_comm(n_procs=cluster.comm_procs)
     memory = cluster.memory_gb * 1e9 if cluster.memory_gb is not None else _host_memory() / cluster.n_devices
     return Profile(

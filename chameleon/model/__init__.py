@@ -1,1 +1,1 @@
-"""Functional Llama-2: configuration, parameter tree, initialisation and stage forward."""
+"""Functional Llama-2: configuration, parameter tree, initialisation, stage forward, Hugging Face checkpoints."""

@@ -25,6 +25,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 4096
+    init: str = "random"  # random (seeded by train.seed) | hf:PATH (a Hugging Face Llama checkpoint directory)
 
     @property
     def head_dim(self) -> int:

@@ -16,6 +16,8 @@ blocked call stays blocked until the group's timeout (measured with torch 2.13).
   the controller. When a communication call fails first (a peer's process died and
   its connection closed), the worker waits up to ``confirm_s`` for the controller to
   flag it; if no flag comes, the original error is raised and stops the run.
+- NCCL and HCCL mean something else by ``wait()``; their completion is polled as
+  they define it (:mod:`chameleon.runtime.completion`).
 
 Devices keep their ids across generations; each generation maps them to ranks.
 """
@@ -34,6 +36,7 @@ import torch.distributed as dist
 
 from chameleon.runtime.beacon import GROUP, NOBODY, Beacon
 from chameleon.runtime.errors import ControllerLost
+from chameleon.runtime.completion import abort, polls_completion, post_p2p, wait_polled
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 POLL_INTERVAL_S = 0.005  # fault-flag checks while waiting; completion itself wakes the wait at once
@@ -123,6 +126,7 @@ class Generation:
         self.generation = generation
         self.devices = tuple(devices)
         self.me = me
+        self.backend = backend
         self._rank = {d: r for r, d in enumerate(self.devices)}
         self._fault = fault_key(generation)
         self._waiter = _Waiter(name=f"chameleon-wait-gen{generation}")
@@ -137,7 +141,7 @@ class Generation:
             on_connect()
         self._groups = {}
         for members in dict.fromkeys(groups):
-            if me in members and len(members) > 1:
+            if me in members and 1 < len(members) < len(self.devices):  # the world's own set uses the world
                 sub_store = dist.PrefixStore(f"{prefix}/group/{'-'.join(map(str, members))}", store_client)
                 self._groups[members] = self.call(
                     partial(_new_group, backend, sub_store, members.index(me), len(members), timeout, host),
@@ -194,13 +198,24 @@ class Generation:
     def wait(self, *works: dist.Work, peer: int = GROUP) -> None:
         """Wait for ``works`` (on ``peer``, for the beacon), raising :class:`PeerFailure` once a fault is flagged."""
         for work in works:
-            self.call(work.wait, waiting_on=peer)
+            if not polls_completion(self.backend):
+                self.call(work.wait, waiting_on=peer)
+                continue
+            if self.beacon is not None:
+                self.beacon.waiting(peer)
+            try:
+                wait_polled(work, self.check, interval_s=POLL_INTERVAL_S)
+            except RuntimeError as err:
+                self._raise(err, confirm=True)
+            finally:
+                if self.beacon is not None:
+                    self.beacon.waiting(NOBODY)
 
     def send(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work:
-        return self._post(self.world.send, [tensor], self.rank_of(device), tag)
+        return self._post(post_p2p, self.backend, self.world.send, tensor, self.rank_of(device), tag, False)
 
     def recv(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work:
-        return self._post(self.world.recv, [tensor], self.rank_of(device), tag)
+        return self._post(post_p2p, self.backend, self.world.recv, tensor, self.rank_of(device), tag, True)
 
     def all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...] | None = None) -> None:
         """In-place sum over ``members`` (default: every device)."""
@@ -225,8 +240,13 @@ class Generation:
             time.sleep(POLL_INTERVAL_S)
 
     def abandon(self) -> None:
-        """Leave this generation for good: keep it referenced so no destructor blocks on dead peers."""
+        """Leave this generation for good: keep it referenced so no destructor blocks on dead peers.
+
+        NCCL and HCCL communicators are aborted too, so no device stays blocked in a dead peer's op.
+        """
         ABANDONED.append(self)
+        if polls_completion(self.backend):
+            abort([self.world, *self._groups.values()])
 
 
 class _Pending:

@@ -43,6 +43,7 @@ from chameleon.decision.planner import Planner, precompute_single_faults
 from chameleon.decision.profiler import load_profile
 from chameleon.decision.selector import Decision
 from chameleon.layout.plan import Plan
+from chameleon.optim import learning_rate, schedule_of
 from chameleon.report.outputs import JsonLines, write_json
 from chameleon.runtime.agent import Agent
 from chameleon.runtime.beacon import Position
@@ -449,7 +450,7 @@ class Controller:
     def _on_message(self, msg: object) -> None:
         match msg:
             case Ready():
-                if (start := self.ledger.on_ready(msg)) is not None:
+                if self.ledger.on_ready(msg) is not None:
                     self._start_generation()
                 self.last_progress = time.monotonic()
             case Synced():
@@ -541,6 +542,7 @@ class Controller:
         self.metrics.write({
             "step": c.step, "loss": c.loss, "samples_per_s": batch / dt, "tokens_per_s": batch * self.train["seq_len"] / dt,
             "step_time_s": dt, "compute_s": c.compute_s, "generation": committed_in, "time": now,
+            "lr": learning_rate(c.step, **schedule_of(self.train)), "grad_norm": c.grad_norm,
         })
         self.bar.n = c.step + 1
         self.bar.set_postfix(loss=f"{c.loss:.4f}", gen=self.generation)

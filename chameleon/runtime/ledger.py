@@ -30,6 +30,7 @@ class CommitStep:
     loss: float
     sample_ids: tuple[int, ...]
     compute_s: float
+    grad_norm: float | None = None
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class _Book:
     loss: float = 0.0
     sample_ids: list[int] = field(default_factory=list)
     compute_s: float = 0.0
+    grad_norm: float | None = None
     reported: set[int] = field(default_factory=set)
 
 
@@ -129,6 +131,7 @@ class Ledger:
         book.loss += msg.loss_sum
         book.sample_ids.extend(msg.sample_ids)
         book.compute_s = max(book.compute_s, msg.compute_s)
+        book.grad_norm = msg.grad_norm if msg.grad_norm is not None else book.grad_norm
         book.reported.add(msg.device)
         if book.reported < self.trainers:
             return None
@@ -141,7 +144,7 @@ class Ledger:
                 "samples were lost or duplicated"
             )
         self.committed = msg.step
-        return CommitStep(msg.step, book.loss, tuple(ids), book.compute_s)
+        return CommitStep(msg.step, book.loss, tuple(ids), book.compute_s, book.grad_norm)
 
     def on_checkpoint_saved(self, msg: CheckpointSaved) -> CheckpointComplete | None:
         """Book a writer's part; complete once every writer of its generation saved (an intact earlier one too)."""

@@ -43,6 +43,7 @@ class Synced:
     loss_sum: float
     sample_ids: tuple[int, ...]
     compute_s: float
+    grad_norm: float | None = None  # the global gradient norm (every trainer finds the same), when clipping
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ kinds of traffic can never mismatch them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -25,6 +25,7 @@ import torch
 from chameleon.data.stream import SampleStream, micro_batch_samples
 from chameleon.layout.colouring import SyncGroup
 from chameleon.layout.plan import Plan, micro_batch_ranges
+from chameleon.layout.spec import Region
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import TensorParallelOps, stage_forward
 from chameleon.runtime.comm import Generation
@@ -119,10 +120,11 @@ def message_tag(pipeline: int, sender_stage: int, backward: bool) -> int:
 
 @dataclass
 class StepResult:
-    """What one device contributes to a step: summed loss and the samples it trained (last stages)."""
+    """What one device contributes to a step: summed loss, the samples it trained (last stages), the grad norm."""
 
     loss_sum: float = 0.0
     sample_ids: list[int] = field(default_factory=list)
+    grad_norm: float | None = None  # the whole plan's, when train.clip_norm > 0
 
 
 def run_step(
@@ -137,20 +139,25 @@ def run_step(
     train: dict,
     rounds: SyncRounds,
     tp: TensorParallelOps | None,
+    norm_regions: Mapping[str, Region] | None = None,
     on_phase: Callable[..., None] | None = None,
 ) -> StepResult:
-    """Forward and backward of this device's actions, then the gradient sync (no optimizer step).
+    """Forward and backward of this device's actions, the gradient sync, the global norm (no optimizer step).
 
     The loss of every micro-batch is its summed token cross-entropy divided by
     ``global_batch · seq_len``, so gradients summed over pipelines equal the
-    single-process gradient of the mean loss. ``on_phase(phase, step=, detail=)`` is
-    called as each forward/backward (detail: the micro-batch) and each sync round
-    starts: the worker's beacon and its fault injection hook in there.
+    single-process gradient of the mean loss. With ``train.clip_norm > 0`` the
+    global gradient norm follows the sync (:func:`global_grad_norm` over
+    ``norm_regions``, this device's part of ``checkpoint.writers``).
+    ``on_phase(phase, step=, detail=)`` is called as each forward/backward (detail:
+    the micro-batch) and each sync round starts: the worker's beacon and its fault
+    injection hook in there.
     """
     me = gen.me
     first_micro = [r.start for r in micro_batch_ranges(plan)]
     scale = 1.0 / (train["global_batch"] * train["seq_len"])
     hidden_shape = (plan.micro_batch_size, train["seq_len"], model.dim)
+    hidden = {"device": state.device, "dtype": state.compute_dtype}
     result = StepResult()
     saved: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     sends = []
@@ -170,7 +177,7 @@ def run_step(
             if first:
                 x = tokens
             else:
-                x = torch.empty(hidden_shape, device=state.device)
+                x = torch.empty(hidden_shape, **hidden)
                 src = executors(plan, p, s - 1, i)[t]
                 gen.wait(gen.recv(x, src, tag=message_tag(p, s - 1, False)), peer=src)
                 x.requires_grad_(True)
@@ -192,7 +199,7 @@ def run_step(
             if last:
                 out.backward()
             else:
-                grad = torch.empty(hidden_shape, device=state.device)
+                grad = torch.empty(hidden_shape, **hidden)
                 src = executors(plan, p, s + 1, i)[t]
                 gen.wait(gen.recv(grad, src, tag=message_tag(p, s + 1, True)), peer=src)
                 out.backward(grad)
@@ -200,6 +207,8 @@ def run_step(
                 sends.append(gen.send(x.grad.contiguous(), executors(plan, p, s - 1, i)[t], tag=message_tag(p, s, True)))
     gen.wait(*sends)
     sync_gradients(rounds, state=state, gen=gen, on_round=None if on_phase is None else partial(on_phase, "sync", step=step))
+    if train["clip_norm"] > 0:
+        result.grad_norm = global_grad_norm(state, norm_regions or {}, gen=gen, members=tuple(sorted(plan.devices)))
     return result
 
 
@@ -227,3 +236,17 @@ def sync_gradients(
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
+
+
+def global_grad_norm(state: StageState, regions: Mapping[str, Region], *, gen: Generation, members: tuple[int, ...]) -> float:
+    """The L2 norm of the whole plan's gradient, after the sync, the same on every device of ``members``.
+
+    ``regions`` are the pieces of the gradient this device counts: over all devices
+    of the plan they tile every tensor exactly once (``checkpoint.writers`` of the
+    plan's layout), whatever the pipelines, TP degrees and reroutes; replicas hold
+    equal gradients after the sync, so each piece is counted from one of them. One
+    scalar all-reduce over the plan's devices sums the squares.
+    """
+    total = state.grad_sum_of_squares(regions)
+    gen.all_reduce(total, members)
+    return total.sqrt().item()

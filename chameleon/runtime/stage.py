@@ -1,17 +1,31 @@
-"""A device's stage in a plan and its training state: parameter shards and AdamW moments."""
+"""A device's stage in a plan and its training state: fp32 master parameter shards and AdamW moments."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from chameleon.layout.plan import Plan, Stage
-from chameleon.layout.spec import Region, placements_for, shard_region
+from chameleon.layout.spec import Region, local_slices, placements_for, shard_region
 from chameleon.model.config import ModelConfig
+from chameleon.model.hf import hf_checkpoint, load_hf
 from chameleon.model.llama import init_params, stage_param_names
+from chameleon.optim import (
+    adamw,
+    clip_coefficient,
+    hyperparameters,
+    init_moments,
+    learning_rate,
+    scale,
+    schedule_of,
+    sum_of_squares,
+)
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.dtype → the forward's dtype
 
 
 @dataclass(frozen=True)
@@ -49,73 +63,94 @@ def stage_regions(model: ModelConfig, role: Role, shapes: dict[str, tuple[int, .
     return {n: shard_region(shapes[n], placements_for(n), role.tp_index, role.spec.tp) for n in names}
 
 
-@dataclass
 class StageState:
-    """Parameter shards of one stage and their AdamW optimizer."""
+    """One stage's training state on its device: fp32 master parameters and AdamW moments.
 
-    params: dict[str, torch.Tensor]
-    regions: dict[str, Region]
-    optimizer: torch.optim.AdamW
-    device: torch.device
+    The state is three trees, one per kind of :data:`KINDS` (``param`` holds the fp32
+    masters); it is what re-layouts move and checkpoints store. ``params`` are the
+    tensors the forward reads: the masters themselves under ``train.dtype=fp32``, or
+    their bf16 copies under ``bf16``, cast once per step. Either way the gradients
+    accumulate over micro-batches in fp32, on the masters (the cast's backward
+    upcasts), so the gradient sync, the global norm and AdamW all run in fp32.
+
+    Args:
+        tensors: per kind, this device's shard of every tensor in ``regions``.
+        regions: the global region of each tensor this device holds.
+        train: the ``train`` config (optimizer, schedule, clipping, dtype).
+        device: where every tensor lives (CPU, or an accelerator: no host copies).
+    """
+
+    def __init__(self, tensors: Mapping[str, Mapping[str, Tensor]], regions: dict[str, Region], *, train: dict,
+                 device: torch.device):
+        self.regions, self.train, self.device = regions, train, device
+        self.compute_dtype = DTYPES[train["dtype"]]
+        self._state = {kind: {n: _owned(tensors[kind][n], device) for n in regions} for kind in KINDS}
+        self._new_step()
 
     @classmethod
     def create(cls, model: ModelConfig, role: Role, *, seed: int, train: dict, device: torch.device) -> StageState:
-        """Fresh state: this device's shards of the single-process initialisation, zero moments."""
+        """Fresh state: this device's shards of the initial parameters (``model.init``), zero moments."""
         names = stage_param_names(model, role.spec.layers, first=role.first, last=role.last)
-        full = init_params(model, seed, names=names)
+        source = hf_checkpoint(model.init)
+        full = init_params(model, seed, names=names) if source is None else load_hf(source, model, names=names)
         regions = stage_regions(model, role, {n: tuple(t.shape) for n, t in full.items()})
         params = {n: t[tuple(slice(a, b) for a, b in regions[n])] for n, t in full.items()}
-        zeros = {n: torch.zeros_like(t) for n, t in params.items()}
-        return cls.from_tensors({"param": params, "exp_avg": zeros, "exp_avg_sq": dict(zeros)}, regions,
-                                committed_steps=0, train=train, device=device)
+        return cls({"param": params, **init_moments(params)}, regions, train=train, device=device)
 
-    @classmethod
-    def from_tensors(
-        cls, tensors: dict[str, dict[str, torch.Tensor]], regions: dict[str, Region], *,
-        committed_steps: int, train: dict, device: torch.device,
-    ) -> StageState:
-        """State from per-kind shards (a re-layout or a checkpoint), AdamW resumed at ``committed_steps``."""
-        params = {n: tensors["param"][n].detach().clone().to(device).requires_grad_(True) for n in regions}
-        optimizer = torch.optim.AdamW(
-            list(params.values()), lr=train["lr"], betas=(train["beta1"], train["beta2"]),
-            eps=train["eps"], weight_decay=train["weight_decay"],
-        )
-        for n, p in params.items():
-            optimizer.state[p] = {
-                "step": torch.tensor(float(committed_steps)),
-                "exp_avg": tensors["exp_avg"][n].detach().clone().to(device),
-                "exp_avg_sq": tensors["exp_avg_sq"][n].detach().clone().to(device),
-            }
-        return cls(params=params, regions=regions, optimizer=optimizer, device=device)
+    def tensors(self) -> dict[str, dict[str, Tensor]]:
+        """Per kind (param, exp_avg, exp_avg_sq), this device's shard of every tensor, on its device."""
+        return {kind: dict(tree) for kind, tree in self._state.items()}
 
-    def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per kind (param, exp_avg, exp_avg_sq), this device's shard of every tensor (views, CPU)."""
-        out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in KINDS}
-        for n, p in self.params.items():
-            st = self.optimizer.state[p]
-            out["param"][n] = p.detach().cpu()
-            out["exp_avg"][n] = st["exp_avg"].cpu()
-            out["exp_avg_sq"][n] = st["exp_avg_sq"].cpu()
-        return out
-
-    def grads(self, names: tuple[str, ...] | list[str]) -> list[torch.Tensor]:
-        """Gradients of ``names`` (zeros where a parameter got none)."""
+    def grads(self, names: tuple[str, ...] | list[str]) -> list[Tensor]:
+        """The fp32 gradients of ``names`` (zeros where a parameter got none)."""
         out = []
         for n in names:
-            p = self.params[n]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            out.append(p.grad)
+            leaf = self._leaves[n]
+            if leaf.grad is None:
+                leaf.grad = torch.zeros_like(leaf)
+            out.append(leaf.grad)
         return out
 
+    def grad_sum_of_squares(self, regions: Mapping[str, Region]) -> Tensor:
+        """``Σ ‖g‖²`` of this device's gradients over ``regions`` (global regions, each inside a held one)."""
+        pieces = (g[local_slices(regions[n], self.regions[n])] for n, g in zip(regions, self.grads(list(regions))))
+        return sum_of_squares(pieces, device=self.device)
+
     def discard_gradients(self) -> None:
-        """Drop an abandoned step's gradients."""
-        self.optimizer.zero_grad(set_to_none=True)
+        """Drop an abandoned step's gradients (and its bf16 copies' graph)."""
+        self._new_step()
 
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+    def optimizer_step(self, step: int, *, grad_norm: float | None = None) -> None:
+        """Apply AdamW for global step ``step`` (0-based) at that step's learning rate.
 
-    def shards(self) -> dict[str, tuple[Region, torch.Tensor]]:
-        """A CPU copy of this device's parameter shards with the region each covers."""
-        return {n: (self.regions[n], p.detach().to("cpu").clone()) for n, p in self.params.items()}
+        Args:
+            step: the global step; sets the learning rate and AdamW's bias correction.
+            grad_norm: the global gradient norm; with ``train.clip_norm > 0`` the
+                gradients are scaled by :func:`clip_coefficient` first.
+        """
+        grads = {n: g for n, g in zip(self.regions, self.grads(list(self.regions)))}
+        factor = clip_coefficient(grad_norm, self.train["clip_norm"]) if grad_norm is not None else 1.0
+        lr = learning_rate(step, **schedule_of(self.train))
+        self.params, self._leaves = {}, {}
+        # One tensor at a time: the update's transient memory is one tensor's, not the stage's.
+        for name in list(self.regions):
+            one = {kind: {name: self._state[kind].pop(name)} for kind in KINDS}
+            params, moments = adamw(one["param"], scale({name: grads.pop(name)}, factor), one, step + 1, lr=lr,
+                                    **hyperparameters(self.train))
+            for kind, tree in (("param", params), *moments.items()):
+                self._state[kind][name] = tree[name]
+        self._new_step()
+
+    def shards(self) -> dict[str, tuple[Region, Tensor]]:
+        """A CPU copy of this device's master parameter shards with the region each covers."""
+        return {n: (self.regions[n], p.detach().to("cpu", copy=True)) for n, p in self._state["param"].items()}
+
+    def _new_step(self) -> None:
+        """Fresh gradient leaves over the masters and the forward's tensors (their casts) for the next step."""
+        self._leaves = {n: p.detach().requires_grad_(True) for n, p in self._state["param"].items()}
+        self.params = {n: leaf.to(self.compute_dtype) for n, leaf in self._leaves.items()}
+
+
+def _owned(tensor: Tensor, device: torch.device) -> Tensor:
+    """An fp32 copy of ``tensor`` on ``device`` that shares memory with nothing else."""
+    return tensor.detach().to(device=device, dtype=torch.float32, copy=True)

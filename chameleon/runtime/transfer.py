@@ -2,8 +2,9 @@
 
 Each parameter travels with its optimizer state: the state is given per *kind*
 (``param``, ``exp_avg``, ``exp_avg_sq``, ...), and every move carries its region
-of every kind. AdamW's scalar ``step`` is the committed step count, the same for
-every parameter, so it is not moved.
+of every kind. AdamW's step count and the learning rate follow from the global
+step, the same on every device, so nothing else is moved. The state stays on its
+device: on an accelerator, sends, receive buffers and new shards live there too.
 
 Rounds run in manifest order. In a round a device packs everything it sends to
 one peer into one buffer and posts one ``isend`` per peer and one ``irecv`` per
@@ -49,6 +50,7 @@ def execute_manifest(
     state: Mapping[str, Mapping[str, torch.Tensor]],
     links: PointToPoint,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
     stamp: int = 0,
     on_round: Callable[[int], None] | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
@@ -65,6 +67,8 @@ def execute_manifest(
             passes the same kinds.
         links: sends and receives between devices; its ``wait`` raises to abandon.
         dtype: dtype of every state tensor.
+        device: where the state lives; new shards and receive buffers are allocated
+            there (an accelerator's state never takes a host round trip).
         stamp: the generation every buffer is stamped with and checked against.
         on_round: called with the round's index as each round this device takes part in starts.
 
@@ -80,11 +84,11 @@ def execute_manifest(
     for kind in kinds:
         shapes = {name: tuple(t.shape) for name, t in state[kind].items()}
         expected = {name: region_shape(region) for name, region in before.items()}
-        if shapes != expected or any(t.dtype != dtype for t in state[kind].values()):
-            raise ValueError(f"state[{kind!r}] of device {me} does not match the manifest's regions and {dtype}")
+        if shapes != expected or any(t.dtype != dtype or t.device != torch.device(device) for t in state[kind].values()):
+            raise ValueError(f"state[{kind!r}] of device {me} does not match the manifest's regions, {dtype} and {device}")
     after = manifest.after.get(me, {})
     new = {
-        kind: {name: torch.empty(region_shape(region), dtype=dtype) for name, region in after.items()}
+        kind: {name: torch.empty(region_shape(region), dtype=dtype, device=device) for name, region in after.items()}
         for kind in kinds
     }
     for move in manifest.local:
@@ -103,13 +107,13 @@ def execute_manifest(
             continue
         if on_round is not None:
             on_round(r)
-        header = torch.tensor([float(stamp)], dtype=dtype)
+        header = torch.tensor([float(stamp)], dtype=dtype, device=device)
         works, received = [], []
         for dst, out in outgoing.items():
             parts = [header] + [_source(state[kind], before, m).reshape(-1) for m in out for kind in kinds]
             works.append(links.send(torch.cat(parts), dst))
         for src, into in incoming.items():
-            buffer = torch.empty(1 + sum(region_numel(m.region) for m in into) * len(kinds), dtype=dtype)
+            buffer = torch.empty(1 + sum(region_numel(m.region) for m in into) * len(kinds), dtype=dtype, device=device)
             works.append(links.recv(buffer, src))
             received.append((buffer, src, into))
         for work, peer in zip(works, [*outgoing, *(src for _, src, _ in received)]):

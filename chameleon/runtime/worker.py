@@ -269,7 +269,7 @@ def _run(spec: WorkerSpec, uplink: _Uplink, beacon: Beacon) -> None:
             faults.phase("rebuild", step=resume)
             gen = Generation(
                 control.store, connect_store=rendezvous, generation=generation, devices=gen_spec.devices, me=me,
-                backend=BACKENDS[launcher["device"]], timeout_s=launcher["timeout_s"], groups=_group_sets(model, gen_spec.plan),
+                backend=launcher["backend"] or BACKENDS[launcher["device"]], timeout_s=launcher["timeout_s"], groups=_group_sets(model, gen_spec.plan),
                 host=spec.node_addr, confirm_s=confirm_s, beacon=beacon,
                 on_connect=partial(faults.phase, "rebuild", step=resume, detail=1),
             )
@@ -306,6 +306,7 @@ def _group_sets(model: ModelConfig, plan: Plan) -> list[tuple[int, ...]]:
     layout = layout_of(plan, param_shapes(model), partial(stage_param_names, model))
     sets = [g.devices for groups in sync_rounds(layout) for g in groups]
     sets += [st.devices for pipe in plan.pipelines for st in pipe.stages if st.tp > 1]
+    sets.append(tuple(sorted(plan.devices)))  # the global gradient norm's all-reduce
     return sets
 
 
@@ -320,13 +321,13 @@ def _establish(
     role = role_of(gen_spec.plan, gen.me)
     if gen_spec.manifest is not None:
         held = state.tensors() if state is not None else {k: {} for k in ("param", "exp_avg", "exp_avg_sq")}
-        moved = execute_manifest(gen_spec.manifest, me=gen.me, state=held, links=gen, stamp=gen.generation,
+        moved = execute_manifest(gen_spec.manifest, me=gen.me, state=held, links=gen, device=device, stamp=gen.generation,
                                  on_round=lambda r: faults.phase("transfer", step=resume, detail=r))
         faults.transfer_done(resume)
         if role is None:
             return None
         regions = stage_regions(model, role, param_shapes(model))
-        return StageState.from_tensors(moved, regions, committed_steps=resume, train=train, device=device)
+        return StageState(moved, regions, train=train, device=device)
     if role is None:
         return None
     if gen_spec.checkpoint is not None:
@@ -334,7 +335,7 @@ def _establish(
         regions = stage_regions(model, role, param_shapes(model))
         info = latest_checkpoint(Path(gen_spec.checkpoint))
         loaded = gen.call(partial(load_regions, info, regions), peer_errors=False)
-        return StageState.from_tensors(loaded, regions, committed_steps=info.committed_steps, train=train, device=device)
+        return StageState(loaded, regions, train=train, device=device)
     return StageState.create(model, role, seed=train["seed"], train=train, device=device)
 
 
@@ -353,24 +354,26 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
     tp = MegatronTP(partial(gen.all_reduce, members=role.spec.devices)) if role.spec.tp > 1 else None
     actions = step_actions(plan)[me]
     saver = _Saver(cfg, layout, gen=gen, uplink=uplink, run_dir=run_dir)
+    norm_regions = writers(layout).get(me, {})
     for step in range(gen_spec.resume_step, train["steps"]):
         faults.step_started(step, typical(compute_s, 0.05))
         start = time.perf_counter()
         try:
             result = run_step(
                 step, plan=plan, actions=actions, state=state, stream=stream, gen=gen, model=model, train=train,
-                rounds=rounds, tp=tp, on_phase=faults.phase,
+                rounds=rounds, tp=tp, norm_regions=norm_regions, on_phase=faults.phase,
             )
             compute_s.append(time.perf_counter() - start)
             faults.step_synced()
-            uplink.send(Synced(me, gen.generation, step, result.loss_sum, tuple(result.sample_ids), compute_s[-1]))
+            uplink.send(Synced(me, gen.generation, step, result.loss_sum, tuple(result.sample_ids), compute_s[-1],
+                               result.grad_norm))
             faults.phase("commit", step=step)
             order: CommitOrder = pickle.loads(control.await_key(commit_key(gen.generation, step), gen))
         except PeerFailure:
             state.discard_gradients()
             raise
         faults.phase("optimizer", step=step)
-        state.optimizer_step()
+        state.optimizer_step(step, grad_norm=result.grad_norm)
         saver.after_step(step + 1, state, force=order.save)
         if order.stop or order.switch_to is not None:
             saver.finish()

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from chameleon.decision import estimator as est
 from chameleon.decision.planner import stage_units
 from chameleon.decision.profiler import Profile
 from chameleon.layout.plan import Pipeline, Plan, Stage

@@ -1,0 +1,136 @@
+"""AdamW, global-norm clipping and learning-rate schedules as pure functions over parameter trees.
+
+A tree is a flat ``{name: Tensor}`` dict, as the model's parameters are. Nothing here
+mutates its inputs or holds state: the optimizer state (``exp_avg``, ``exp_avg_sq``)
+goes in and comes out, and the step count and learning rate are arguments — both
+derived from the *global* step, so a run resumed at any step, on any plan, continues
+exactly where it left off. The arithmetic is ``torch.optim.AdamW``'s (single-tensor
+path) and ``torch.nn.utils.clip_grad_norm_``'s, operation for operation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import Tensor
+
+Tree = Mapping[str, Tensor]
+MOMENTS = ("exp_avg", "exp_avg_sq")
+SCHEDULES = ("constant", "cosine")
+CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+
+
+def init_moments(params: Tree) -> dict[str, dict[str, Tensor]]:
+    """Zero AdamW moments for ``params``: ``{"exp_avg": tree, "exp_avg_sq": tree}``."""
+    return {kind: {n: torch.zeros_like(p) for n, p in params.items()} for kind in MOMENTS}
+
+
+def adamw(
+    params: Tree,
+    grads: Tree,
+    moments: Mapping[str, Tree],
+    step: int,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
+    """One AdamW update (decoupled weight decay), returning new parameters and moments.
+
+    Args:
+        params: the parameters (fp32 masters).
+        grads: their gradients, same names and shapes.
+        moments: ``{"exp_avg": tree, "exp_avg_sq": tree}`` before this update.
+        step: the 1-based update count (bias correction uses it): global step + 1.
+        lr: this step's learning rate (see :func:`learning_rate`).
+        beta1, beta2, eps, weight_decay: AdamW's hyper-parameters.
+
+    Returns:
+        ``(params, moments)`` after the update; the inputs are left untouched.
+    """
+    if step < 1:
+        raise ValueError(f"step={step}: AdamW counts updates from 1")
+    bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
+    new_params: dict[str, Tensor] = {}
+    new_moments: dict[str, dict[str, Tensor]] = {kind: {} for kind in MOMENTS}
+    for name, param in params.items():
+        grad = grads[name]
+        if weight_decay:
+            param = param * (1 - lr * weight_decay)
+        exp_avg = torch.lerp(moments["exp_avg"][name], grad, 1 - beta1)
+        exp_avg_sq = torch.addcmul(moments["exp_avg_sq"][name] * beta2, grad, grad, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(eps)
+        new_params[name] = torch.addcdiv(param, exp_avg, denom, value=-lr / bias1)
+        new_moments["exp_avg"][name], new_moments["exp_avg_sq"][name] = exp_avg, exp_avg_sq
+    return new_params, new_moments
+
+
+def sum_of_squares(tensors: Iterable[Tensor], *, device: torch.device) -> Tensor:
+    """``Σ ‖t‖²`` over ``tensors`` as a 1-element fp32 tensor on ``device`` (zero when there are none).
+
+    Summed per device over disjoint pieces that tile every tensor once, then
+    all-reduced, this gives the square of the global gradient norm.
+    """
+    norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+    if not norms:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    return torch.stack(norms).square().sum().reshape(1)
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """The factor ``min(1, max_norm / (total_norm + 1e-6))`` gradients are scaled by; 1 when ``max_norm ≤ 0``.
+
+    Computed in fp32 exactly as ``torch.nn.utils.clip_grads_with_norm_`` does, so the
+    same norm scales the same gradients to the same bits.
+    """
+    if max_norm <= 0:
+        return 1.0
+    coefficient = (torch.tensor(total_norm, dtype=torch.float32) + CLIP_EPS).reciprocal() * max_norm
+    return torch.clamp(coefficient, max=1.0).item()
+
+
+def scale(tree: Tree, factor: float) -> dict[str, Tensor]:
+    """Every tensor times ``factor`` (the same tensors when ``factor == 1``)."""
+    if factor == 1.0:
+        return dict(tree)
+    return {n: t * factor for n, t in tree.items()}
+
+
+def learning_rate(
+    step: int, *, lr: float, schedule: str, warmup_steps: int, total_steps: int, min_lr: float
+) -> float:
+    """The learning rate of global step ``step`` (0-based).
+
+    Linear warm-up over the first ``warmup_steps`` steps (step ``k`` uses
+    ``lr · (k + 1) / warmup_steps``), then ``constant`` keeps ``lr`` and ``cosine``
+    decays from ``lr`` to ``min_lr`` along half a cosine over the remaining steps.
+
+    Raises:
+        ValueError: an unknown schedule.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"train.lr_schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def schedule_of(train: Mapping) -> dict:
+    """The :func:`learning_rate` keywords of a ``train`` config."""
+    return {
+        "lr": train["lr"], "schedule": train["lr_schedule"], "warmup_steps": train["warmup_steps"],
+        "total_steps": train["steps"], "min_lr": train["min_lr"],
+    }
+
+
+def hyperparameters(train: Mapping) -> dict:
+    """The :func:`adamw` keywords other than ``lr`` of a ``train`` config."""
+    return {k: train[k] for k in ("beta1", "beta2", "eps", "weight_decay")}
