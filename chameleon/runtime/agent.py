@@ -23,6 +23,7 @@ then registers again as a returning node.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import pickle
 import queue
@@ -87,11 +88,7 @@ class Agent:
         self.faults: dict[int, tuple[FaultSpec, ...]] = {}
         self.restarts: dict[int, float] = {}
         self.generation = 0
-        # Workers report their own failures in one line; c10d's C++ warnings (a stack trace for every
-        # connection a dead peer closed) would bury them. The forkserver inherits this at its start.
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(["torch", "chameleon.runtime.worker"])
+        self._ctx = forkserver()
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chameleon-spawn")
         self._spawned: queue.SimpleQueue[tuple[int, _Worker]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -240,6 +237,21 @@ class Agent:
         self.workers.clear()
 
 
+def forkserver(*, warm: bool = False):
+    """The forkserver context workers start from (torch and the worker module preloaded).
+
+    ``warm`` starts the server now, so its imports overlap whatever comes before the first worker.
+    """
+    # Workers report their own failures in one line; c10d's C++ warnings (a stack trace for every
+    # connection a dead peer closed) would bury them. The forkserver inherits this at its start.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "chameleon.runtime.worker"])
+    if warm:
+        mp.forkserver.ensure_running()
+    return ctx
+
+
 def _running(pid: int) -> bool:
     """True while the kernel shows the process running or runnable (state R).
 
@@ -263,6 +275,7 @@ def serve(config: dict, *, node: int, master_addr: str, control_port: int, key: 
     SIGTERM is ignored: on preemption the controller saves a checkpoint and ends the job.
     """
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    forkserver(warm=True)
     returning, lease_s = False, 2 * config["ft"]["heartbeat_timeout_s"]
     deadline = time.monotonic() + join_timeout_s
     while True:
@@ -339,7 +352,7 @@ def _serve_once(link: Link, agent: Agent, renewed: float) -> tuple[str | None, f
         try:
             order = link.recv()
         except (EOFError, OSError, AuthError) as err:
-            return f"lost the controller ({err or 'closed'})", renewed
+            return f"lost the controller ({str(err) or 'closed'})", renewed
         if isinstance(order, Shutdown):
             agent.stop(grace_s=order.grace_s)
             return "shutdown", renewed

@@ -45,7 +45,7 @@ from chameleon.decision.selector import Decision
 from chameleon.layout.plan import Plan
 from chameleon.optim import learning_rate, schedule_of
 from chameleon.report.outputs import JsonLines, write_json
-from chameleon.runtime.agent import Agent
+from chameleon.runtime.agent import Agent, forkserver
 from chameleon.runtime.beacon import Position
 from chameleon.runtime.checkpoint import checkpoint_root, commit_checkpoint, latest_checkpoint
 from chameleon.runtime.comm import fault_key
@@ -66,8 +66,9 @@ from chameleon.runtime.worker import (
 TICK_S = 0.01
 ALIVE_EVERY_S = 0.5
 REAP_S = 30.0
+GROW_SETTLE_S = 0.5  # wait for more returning devices this long after the last one
 FIRED_FILE = "faults_fired.json"
-NODE_LOCAL_KEYS = ("node_rank", "node_addr")
+NODE_LOCAL_KEYS = ("launcher.node_rank", "launcher.node_addr", "output", "report")  # may differ between nodes
 
 
 @dataclass
@@ -269,6 +270,7 @@ class Controller:
 
     def _open_nodes(self) -> None:
         """Node 0's agent here, every other node's over the network; then generation 0."""
+        forkserver(warm=True)  # its imports overlap the wait for the other nodes
         local = Agent(node=0, config=self.config, run_dir=str(self.run_dir), store_host=self.launcher["master_addr"],
                       store_port=self.store.port, node_addr=self.launcher["node_addr"], report=self.inbox.append)
         self.nodes[0] = _Node(0, local.devices, agent=local, pid=os.getpid(), host=self.launcher["master_addr"])
@@ -373,6 +375,8 @@ class Controller:
             self._refused(f"node {hello.node} at {hello.host}: {why}")
             link.send(Shutdown(self.generation, why))
             link.close()
+            if self.generation < 0 and "config differs" in why:  # a mistake in how the job was launched
+                raise TrainingError(f"node {hello.node} at {hello.host}: {why}")
             return
         node = _Node(hello.node, hello.devices, link=link, pid=hello.pid, host=hello.host)
         self.nodes[hello.node] = node
@@ -405,7 +409,7 @@ class Controller:
                     return
                 message = link.recv()
             except (EOFError, OSError, AuthError) as err:
-                self._on_node_lost(node.node, f"its agent's link closed ({err or 'EOF'})")
+                self._on_node_lost(node.node, f"its agent's link closed ({str(err) or 'closed'})")
                 return
             if isinstance(message, Lease):
                 now = time.monotonic()
@@ -714,6 +718,8 @@ class Controller:
         joining = frozenset(self.standby)
         if not joining or joining == self.declined or self.growth is not None or self.stopping:
             return
+        if time.time() - max(self.standby.values()) < GROW_SETTLE_S:  # a node's devices come back together
+            return
         if not self.ledger.started or self.ledger.finished or self.pending is not None:
             return
         self.growth = (self.resident, joining, self.pool.submit(
@@ -814,11 +820,11 @@ class Controller:
 
 
 def _config_difference(ours: dict, theirs: dict, prefix: str = "") -> list[str]:
-    """Keys whose values differ between two configs (node-local launcher keys aside)."""
+    """Keys whose values differ between two configs (what may differ between nodes aside)."""
     out = []
     for key in sorted(set(ours) | set(theirs)):
         path = f"{prefix}{key}"
-        if prefix == "launcher." and key in NODE_LOCAL_KEYS:
+        if path in NODE_LOCAL_KEYS:
             continue
         a, b = ours.get(key), theirs.get(key)
         if isinstance(a, dict) and isinstance(b, dict):

@@ -1,0 +1,206 @@
+"""Three "hosts" on one machine: node 0 (the controller and two workers) and two node agents, each a process of
+its own on its own loopback address (127.0.0.2, 127.0.0.3), reached only over TCP.
+
+Whole nodes are killed mid-step and during a recovery, an agent is stopped (a partition) and fenced, nodes come
+back and the job grows onto them, and forged control traffic is refused. Every run ends with the failure-free
+losses, parameters and sample digest (chameleon/report/compare.py) and leaves no process on any node.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from chameleon.report.compare import Drift
+from chameleon.runtime.beacon import Position
+from chameleon.runtime.messages import Exited
+from chameleon.runtime.wire import AuthError, connect, job_key
+from conftest import ENV, Run, assert_nothing_lost, lingering, run_entry
+
+NODES = 3
+# Six workers on three nodes: three pipelines of two stages, one pipeline per node.
+JOB = ("model.dim=64", "model.n_layers=4", "train.global_batch=12", "train.micro_batch=2", "train.seq_len=32",
+       "train.clip_norm=0", "train.lr_schedule=constant", "train.warmup_steps=0", "ckpt=none",
+       "ft.heartbeat_timeout_s=2.0", "report.plots=false")
+LAYOUT = ("launcher.nproc_per_node=2", "parallel.dp=3", "parallel.pp=2")
+ONE_HOST = ("launcher.nproc_per_node=6", "parallel.dp=3", "parallel.pp=2")  # the same devices on one host
+SHORT, LONG = ("train.steps=8",), ("train.steps=200",)
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free (the store and the agents' control port)."""
+    while True:
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                    return port
+                except OSError:
+                    continue
+
+
+class Cluster:
+    """One job over three loopback nodes; node 0 runs in the foreground, agents in their own sessions."""
+
+    def __init__(self, tmp_path: Path, *overrides: str):
+        self.tmp_path, self.port = tmp_path, free_port_pair()
+        self.env = {**ENV, "CHAMELEON_SECRET": secrets.token_hex(16)}
+        self.common = [f"launcher.nnodes={NODES}", "launcher.master_addr=127.0.0.1", f"launcher.master_port={self.port}",
+                       *JOB, *LAYOUT, *overrides]
+        self.agents: list[subprocess.Popen] = []
+
+    def start_agent(self, node: int) -> subprocess.Popen:
+        log = open(self.tmp_path / f"agent{node}-{len(self.agents)}.log", "w")  # noqa: SIM115 - closed with the test
+        cmd = [sys.executable, "-m", "chameleon.train", *self.common, f"launcher.node_rank={node}",
+               f"launcher.node_addr=127.0.0.{node + 1}"]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.tmp_path,
+                                start_new_session=True)
+        self.agents.append(proc)
+        return proc
+
+    def run(self, *, restart: int | None = None, during=None) -> Run:
+        """Train; ``restart`` a node's agent as soon as its first one dies; call ``during(cluster)`` meanwhile."""
+        first = {node: self.start_agent(node) for node in range(1, NODES)}
+        threads = []
+        if restart is not None:
+            threads.append(threading.Thread(target=lambda: (first[restart].wait(), self.start_agent(restart))))
+        if during is not None:
+            threads.append(threading.Thread(target=during, args=(self,)))
+        for t in threads:
+            t.daemon = True
+            t.start()
+        run = run_entry("train", self.tmp_path / "node0", *self.common, "launcher.node_rank=0", env=self.env)
+        for agent in self.agents:
+            try:
+                agent.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                raise AssertionError(f"agent {agent.args[-2]} did not exit after the job ended") from None
+        return run
+
+    def leftovers(self, run: Run) -> list[int]:
+        return [pid for session in [run.session, *(a.pid for a in self.agents)] for pid in lingering(session)]
+
+    def agent_log(self, node: int) -> str:
+        return "".join(p.read_text() for p in sorted(self.tmp_path.glob(f"agent{node}-*.log")))
+
+
+def events(run: Run) -> list[dict]:
+    return [json.loads(x) for x in (run.run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def reference(tmp_path_factory, steps: tuple[str, ...]) -> tuple[Run, Drift]:
+    """The failure-free run of the same layout on one host, and its drift from one process (the noise floor)."""
+    runs = [run_entry("train", tmp_path_factory.mktemp("ref") / "run", *JOB, *steps, *layout, "failure=none")
+            for layout in (ONE_HOST, ("parallel=dp", "launcher.nproc_per_node=1"))]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    return runs[0], Drift.between(runs[0].summary, runs[0].params, runs[1].summary, runs[1].params)
+
+
+@pytest.fixture(scope="module")
+def short_reference(tmp_path_factory) -> tuple[Run, Drift]:
+    return reference(tmp_path_factory, SHORT)
+
+
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory) -> tuple[Run, Drift]:
+    return reference(tmp_path_factory, LONG)
+
+
+def assert_clean(cluster: Cluster, run: Run, reference: tuple[Run, Drift]) -> dict:
+    got = assert_nothing_lost(run, reference[0], drift=reference[1])
+    assert not cluster.leftovers(run), "a process outlived the job on some node"
+    assert all(a.returncode in (0, -9) for a in cluster.agents), [a.returncode for a in cluster.agents]
+    return got
+
+
+def test_three_nodes_train_exactly_as_one_host(tmp_path, long_reference):
+    """Failure-free, the same layout over three hosts does the same arithmetic as on one: the same bits."""
+    cluster = Cluster(tmp_path, *LONG, "failure=none")
+    run = cluster.run()
+    assert run.returncode == 0, run.stderr
+    one_host = long_reference[0]
+    assert run.summary["losses"] == one_host.summary["losses"]
+    assert all(torch.equal(t, one_host.params[n]) for n, t in run.params.items())
+    assert not cluster.leftovers(run)
+    assert [e["node"] for e in events(run) if e["event"] == "node_joined"] in ([1, 2], [2, 1])
+
+
+@pytest.mark.parametrize("phase", ["sync", "optimizer"])
+def test_a_whole_node_killed_mid_step_is_one_decision(tmp_path, short_reference, phase):
+    cluster = Cluster(tmp_path, *SHORT, "failure=node_kill", "failure.node=1", "failure.step=3", f"failure.phase={phase}")
+    run = cluster.run()
+    got = assert_clean(cluster, run, short_reference)
+    (recovery,) = got["recoveries"]
+    assert recovery["failed_ranks"] == [2, 3] and recovery["cause"].startswith("node 1 lost")
+    assert recovery["step"] == (4 if phase == "optimizer" else 3)
+    firer = recovery["where"]["2"]  # the node's first device fired it and said where it was
+    assert firer["phase"] == phase and firer["step"] == 3
+    assert recovery["t_fault_source"] == "announced" and recovery["total_s"] < 10
+
+
+def test_a_node_killed_during_a_recovery(tmp_path, short_reference):
+    faults = "[{kind:kill,rank:0,step:3,phase:backward},{kind:node_kill,node:2,step:3,phase:transfer}]"
+    cluster = Cluster(tmp_path, *SHORT, "failure=schedule", f"failure.faults={faults}")
+    run = cluster.run()
+    got = assert_clean(cluster, run, short_reference)
+    (recovery,) = got["recoveries"]
+    assert recovery["failed_ranks"] == [0, 4, 5] and "during recovery" in recovery["cause"]
+
+
+def test_a_stopped_agent_is_fenced_and_its_node_rejoins(tmp_path, long_reference):
+    """SIGSTOP of node 2's agent (a partition): its lease lapses, the job recovers without it; resumed, the agent
+    finds its lease lapsed, kills its own workers, registers again, and the job grows back onto its devices."""
+    cluster = Cluster(tmp_path, *LONG, "failure=node_hang", "failure.node=2", "failure.step=5",
+                      "failure.phase=forward", "failure.resume_after_s=3", "policy.name=dynamic")
+    run = cluster.run()
+    got = assert_clean(cluster, run, long_reference)
+    (recovery,) = got["recoveries"]
+    assert recovery["failed_ranks"] == [4, 5] and "missed its lease" in recovery["cause"]
+    assert "registering again" in cluster.agent_log(2)
+    assert sorted(d for g in got["growths"] for d in g["devices"]) == [4, 5]
+    assert {"node_returned", "grown"} <= {e["event"] for e in events(run)}
+
+
+def _forge(cluster: Cluster) -> None:
+    """Control traffic without the job's secret: a wrong key, and a bare pickled message with no handshake."""
+    started = cluster.tmp_path / "node0" / "events.jsonl"
+    deadline = time.monotonic() + 60
+    while not (started.exists() and '"start"' in started.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        connect("127.0.0.1", cluster.port + 1, job_key("not the secret"))
+    except (AuthError, OSError):
+        pass
+    with socket.create_connection(("127.0.0.1", cluster.port + 1)) as sock:
+        forged = pickle.dumps(Exited(0, 0, -9, Position(0, 0, "forward"), time.time(), "forged"))
+        sock.sendall(len(forged).to_bytes(4, "big") + forged)
+        time.sleep(6)  # beyond the handshake deadline
+
+
+def test_a_node_lost_and_restarted_grows_back_and_forged_traffic_is_refused(tmp_path, long_reference):
+    cluster = Cluster(tmp_path, *LONG, "failure=node_kill", "failure.node=1", "failure.step=5",
+                      "failure.phase=backward", "policy.name=dynamic")
+    run = cluster.run(restart=1, during=_forge)
+    got = assert_clean(cluster, run, long_reference)
+    assert [r["failed_ranks"] for r in got["recoveries"]] == [[2, 3]], "a forged exit is never acted on"
+    assert sorted(d for g in got["growths"] for d in g["devices"]) == [2, 3]
+    assert {d for line in got["plan"].splitlines() for d in line.split("on ")[1].split(",")} == {str(d) for d in range(6)}
+    refused = [e for e in events(run) if e["event"] == "refused"]
+    assert len(refused) == 2, refused
+    assert any("does not hold this job's secret" in e["why"] for e in refused)
+    assert any("within" in e["why"] or "malformed" in e["why"] for e in refused)
+    assert "refused a connection" in run.stderr
