@@ -1,0 +1,165 @@
+"""Every entry point answers nonsense with one line naming the key and the fix (exit 2), and destroys nothing.
+
+Most cases run the entry points' own checks in-process on the composed command line (what the CLI does before
+Hydra runs anything); a few run the real commands to check the one line, the exit code and what is on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.errors import HydraException
+
+from chameleon import cli, plan, simulate, train
+from chameleon.config import ConfigError
+from conftest import ENV, SMALL_RUN, run_entry
+
+CHECKS = {"train": train._prepare, "plan": plan.check, "simulate": simulate.check}
+
+
+def refusal(entry: str, *overrides: str) -> str:
+    """The one line an entry point refuses ``overrides`` with (it must refuse them)."""
+    with pytest.raises((ConfigError, HydraException, ValueError)) as err:
+        CHECKS[entry](cli.compose_command_line(list(overrides)))
+    return cli.one_line(err.value)
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (("+foo=1",), "unknown key foo"),
+    (("+train.stpes=2",), "unknown key train.stpes: did you mean train.steps?"),
+    (("train.stpes=2",), "Could not override 'train.stpes'"),
+    (("+recipe=nope",), "Could not find 'recipe/nope'"),
+    (("failure.rank=99",), "failure.rank=99 is not a worker (0..3)"),
+    (("failure=schedule", "failure.faults=[]"), "empty failure.faults"),
+    (("failure=stall", "failure.phase=any"), "pin it to a phase"),
+    (("failure=node_kill",), "needs several nodes"),
+    (("failure=random", "failure.kinds=[error]"), "failure.kinds"),
+    (("ft.stall_timeout_s=-1",), "ft.stall_timeout_s=-1"),
+    (("launcher.node_rank=3",), "launcher.node_rank=3 is not a node of launcher.nnodes=1"),
+    (("launcher.nnodes=2", "launcher.nproc_per_node=2"), "launcher.master_addr is not set"),
+    (("launcher.nnodes=2", "launcher.nproc_per_node=2", "launcher.master_addr=h", "launcher.master_port=0"),
+     "launcher.master_port=0"),
+    (("data.path=/nonexistent/corpus.txt",), "data.path='/nonexistent/corpus.txt' is not a file"),
+    (("ckpt.resume=/nonexistent",), "ckpt.resume=/nonexistent is not a directory"),
+    (("ckpt.keep=0",), "ckpt.keep=0"),
+    (("hydra.run.dir=/etc/passwd/run",), "cannot be created or written"),
+], ids=lambda x: x if isinstance(x, str) else " ".join(x))
+def test_train_refuses(overrides, expected):
+    assert expected in refusal("train", *overrides)
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (("plan.failed=[999]",), "plan.failed names [999], which are not devices of the plan (0..3)"),
+    (("plan.failed=[-1]",), "names [-1]"),
+    (("plan.failed=[]",), "plan.failed is empty"),
+    (("plan.failed=[0,1,2,3]",), "names every device"),
+    (("plan.failed=[1,1]",), "names a device twice"),
+    (("plan.checkpoint_age_s=-5",), "plan.checkpoint_age_s=-5"),
+    (("policy.name=magic",), "policy.name='magic'"),
+])
+def test_plan_refuses(overrides, expected):
+    assert expected in refusal("plan", *overrides)
+
+
+def test_simulate_refuses(tmp_path):
+    malformed, stray = tmp_path / "malformed.csv", tmp_path / "stray.csv"
+    malformed.write_text("0,remove,node1\nthis is not a trace line\n")
+    stray.write_text("1000,remove,node99\n")
+    assert "trace=csv needs trace.path" in refusal("simulate", "trace=csv")
+    assert "is not a file" in refusal("simulate", "trace=csv", f"trace.path={tmp_path / 'none.csv'}")
+    assert f"{malformed}:2" in refusal("simulate", "trace=csv", f"trace.path={malformed}")
+    assert "names node99" in refusal("simulate", "trace=csv", f"trace.path={stray}")
+    assert "trace.interval_s=-5.0" in refusal("simulate", "trace=oobleck", "trace.interval_s=-5")
+    assert "sim.horizon_h" in refusal("simulate", "sim.horizon_h=0")
+    assert "sim.policies names ['magic']" in refusal("simulate", "sim.policies=[magic]")
+    assert "cluster.n_devices=8" in refusal("simulate", "cluster.n_devices=8")  # the 4-device recipe on 8
+
+
+@pytest.mark.parametrize("content", [b"\x00\x01\x02binary" * 100, "caf\u00e9".encode("latin-1") * 100, b"tiny"],
+                         ids=["binary", "latin-1", "too short"])
+def test_train_refuses_data_it_cannot_read(tmp_path, content):
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(content)
+    assert f"data.path='{path}'" in refusal("train", f"data.path={path}")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A run's checkpoint root with a complete checkpoint (single process, the small model)."""
+    run = run_entry("train", tmp_path_factory.mktemp("ck") / "run", *SMALL_RUN, "launcher.nproc_per_node=1",
+                    "ckpt.interval=2", "train.steps=2")
+    assert run.returncode == 0, run.stderr
+    return run.run_dir / "checkpoints"
+
+
+def damaged(checkpoint: Path, tmp_path: Path, damage) -> Path:
+    root = tmp_path / "checkpoints"
+    shutil.copytree(checkpoint, root)
+    step = sorted(root.glob("step_*"))[-1]
+    damage(step)
+    return root
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(("damage", "expected"), [
+    (lambda step: _truncate(next(step.glob("*.pt"))), "is missing or damaged"),
+    (lambda step: _truncate(step / "metadata.json"), "metadata.json is unreadable"),
+    (lambda step: next(step.glob("*.pt")).unlink(), "is missing or damaged"),
+], ids=["truncated shard", "truncated metadata", "missing shard"])
+def test_resume_refuses_a_damaged_checkpoint(tmp_path, checkpoint, damage, expected):
+    root = damaged(checkpoint, tmp_path, damage)
+    assert expected in refusal("train", *SMALL_RUN, "launcher.nproc_per_node=1", f"ckpt.resume={root}")
+
+
+def test_resume_refuses_another_models_checkpoint(checkpoint):
+    line = refusal("train", *SMALL_RUN, "launcher.nproc_per_node=1", "model.dim=32", f"ckpt.resume={checkpoint}")
+    assert "belongs to another model" in line and "resume with the model it was saved with" in line
+
+
+def test_refused_commands_end_in_one_line_and_touch_no_earlier_run(tmp_path, checkpoint):
+    """Real commands: exit 2, one line, no traceback; a finished run's directory is left as it was."""
+    finished = checkpoint.parent
+    before = {p: p.read_bytes() for p in finished.rglob("*") if p.is_file()}
+    for overrides in ((f"hydra.run.dir={finished}",), ("+train.stpes=2",),
+                      (f"ckpt.resume={damaged(checkpoint, tmp_path, lambda s: _truncate(s / 'metadata.json'))}",)):
+        proc = subprocess.run([sys.executable, "-m", "chameleon.train", *SMALL_RUN, "launcher.nproc_per_node=1",
+                               *overrides], capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("chameleon: config error:"), proc.stderr
+    assert {p: p.read_bytes() for p in finished.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "outputs").exists(), "a refused command writes no run directory"
+    proc = subprocess.run([sys.executable, "-m", "chameleon.plan", "plan.failed=[999]"], capture_output=True, text=True,
+                          env=ENV, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("entry", ["train", "plan", "simulate"])
+def test_each_entry_point_has_its_own_help(entry):
+    proc = subprocess.run([sys.executable, "-m", f"chameleon.{entry}", "--help"], capture_output=True, text=True,
+                          env=ENV, timeout=60)
+    assert proc.returncode == 0
+    assert proc.stdout.startswith(f"usage: python -m chameleon.{entry}")
+    assert "Config groups" in proc.stdout and "+recipe=NAME" in proc.stdout
+
+
+def test_a_resumed_run_does_not_fire_the_faults_an_earlier_launch_fired(tmp_path):
+    """ft.on_fault=exit stops at the kill; the relaunch from its checkpoint says so and trains to the end."""
+    common = (*SMALL_RUN, "launcher.nproc_per_node=2", "ckpt.interval=2", "train.steps=6", "failure=kill",
+              "failure.rank=1", "failure.step=3", "failure.phase=forward")
+    first = run_entry("train", tmp_path / "first", *common, "ft.on_fault=exit")
+    assert first.returncode == 3 and "relaunch with ckpt.resume=" in first.stderr
+    root = tmp_path / "first" / "checkpoints"
+    assert json.loads((root / "faults_fired.json").read_text())["fired"][0]["rank"] == 1
+    second = run_entry("train", tmp_path / "second", *common, "ft.on_fault=exit", f"ckpt.resume={root}")
+    assert second.returncode == 0, second.stderr
+    assert f"resuming from {root}" in second.stderr and second.summary["recoveries"] == []
+    assert torch.load(second.run_dir / "final_params.pt", weights_only=True)
