@@ -42,3 +42,10 @@ def test_bench_torchft_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     page = (tmp_path / "torchft.md").read_text()
     assert "| chameleon |" in page and "| torchft |" in page
+
+
+def test_chaos_quick():
+    """Three seeds of random kills and hangs: nothing lost, nothing hung, nothing left behind."""
+    proc = run("chaos.py", "--quick")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| 3 |" in proc.stdout and "PROBLEM" not in proc.stdout

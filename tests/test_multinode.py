@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import json
 import pickle
-import secrets
 import socket
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks._loopback import Loopback
 from chameleon.report.compare import Drift
 from chameleon.runtime.beacon import Position
 from chameleon.runtime.messages import Exited
@@ -37,64 +34,17 @@ ONE_HOST = ("launcher.nproc_per_node=6", "parallel.dp=3", "parallel.pp=2")  # th
 SHORT, LONG = ("train.steps=8",), ("train.steps=200",)
 
 
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free (the store and the agents' control port)."""
-    while True:
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                    return port
-                except OSError:
-                    continue
-
-
-class Cluster:
-    """One job over three loopback nodes; node 0 runs in the foreground, agents in their own sessions."""
+class Cluster(Loopback):
+    """A loopback job whose node 0 runs as the tests run every job (a session of its own, a pinned run dir)."""
 
     def __init__(self, tmp_path: Path, *overrides: str):
-        self.tmp_path, self.port = tmp_path, free_port_pair()
-        self.env = {**ENV, "CHAMELEON_SECRET": secrets.token_hex(16)}
-        self.common = [f"launcher.nnodes={NODES}", "launcher.master_addr=127.0.0.1", f"launcher.master_port={self.port}",
-                       *JOB, *LAYOUT, *overrides]
-        self.agents: list[subprocess.Popen] = []
+        super().__init__(tmp_path, [*JOB, *LAYOUT, *overrides], nnodes=NODES, env=ENV)
 
-    def start_agent(self, node: int) -> subprocess.Popen:
-        log = open(self.tmp_path / f"agent{node}-{len(self.agents)}.log", "w")  # noqa: SIM115 - closed with the test
-        cmd = [sys.executable, "-m", "chameleon.train", *self.common, f"launcher.node_rank={node}",
-               f"launcher.node_addr=127.0.0.{node + 1}"]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.tmp_path,
-                                start_new_session=True)
-        self.agents.append(proc)
-        return proc
-
-    def run(self, *, restart: int | None = None, during=None) -> Run:
-        """Train; ``restart`` a node's agent as soon as its first one dies; call ``during(cluster)`` meanwhile."""
-        first = {node: self.start_agent(node) for node in range(1, NODES)}
-        threads = []
-        if restart is not None:
-            threads.append(threading.Thread(target=lambda: (first[restart].wait(), self.start_agent(restart))))
-        if during is not None:
-            threads.append(threading.Thread(target=during, args=(self,)))
-        for t in threads:
-            t.daemon = True
-            t.start()
-        run = run_entry("train", self.tmp_path / "node0", *self.common, "launcher.node_rank=0", env=self.env)
-        for agent in self.agents:
-            try:
-                agent.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-                raise AssertionError(f"agent {agent.args[-2]} did not exit after the job ended") from None
-        return run
+    def train(self, **kw) -> Run:
+        return self.run(lambda common, env: run_entry("train", self.workdir / "node0", *common, env=env), **kw)
 
     def leftovers(self, run: Run) -> list[int]:
         return [pid for session in [run.session, *(a.pid for a in self.agents)] for pid in lingering(session)]
-
-    def agent_log(self, node: int) -> str:
-        return "".join(p.read_text() for p in sorted(self.tmp_path.glob(f"agent{node}-*.log")))
 
 
 def events(run: Run) -> list[dict]:
@@ -130,7 +80,7 @@ def assert_clean(cluster: Cluster, run: Run, reference: tuple[Run, Drift]) -> di
 def test_three_nodes_train_exactly_as_one_host(tmp_path, long_reference):
     """Failure-free, the same layout over three hosts does the same arithmetic as on one: the same bits."""
     cluster = Cluster(tmp_path, *LONG, "failure=none")
-    run = cluster.run()
+    run = cluster.train()
     assert run.returncode == 0, run.stderr
     one_host = long_reference[0]
     assert run.summary["losses"] == one_host.summary["losses"]
@@ -142,7 +92,7 @@ def test_three_nodes_train_exactly_as_one_host(tmp_path, long_reference):
 @pytest.mark.parametrize("phase", ["sync", "optimizer"])
 def test_a_whole_node_killed_mid_step_is_one_decision(tmp_path, short_reference, phase):
     cluster = Cluster(tmp_path, *SHORT, "failure=node_kill", "failure.node=1", "failure.step=3", f"failure.phase={phase}")
-    run = cluster.run()
+    run = cluster.train()
     got = assert_clean(cluster, run, short_reference)
     (recovery,) = got["recoveries"]
     assert recovery["failed_ranks"] == [2, 3] and recovery["cause"].startswith("node 1 lost")
@@ -155,7 +105,7 @@ def test_a_whole_node_killed_mid_step_is_one_decision(tmp_path, short_reference,
 def test_a_node_killed_during_a_recovery(tmp_path, short_reference):
     faults = "[{kind:kill,rank:0,step:3,phase:backward},{kind:node_kill,node:2,step:3,phase:transfer}]"
     cluster = Cluster(tmp_path, *SHORT, "failure=schedule", f"failure.faults={faults}")
-    run = cluster.run()
+    run = cluster.train()
     got = assert_clean(cluster, run, short_reference)
     (recovery,) = got["recoveries"]
     assert recovery["failed_ranks"] == [0, 4, 5] and "during recovery" in recovery["cause"]
@@ -166,26 +116,26 @@ def test_a_stopped_agent_is_fenced_and_its_node_rejoins(tmp_path, long_reference
     finds its lease lapsed, kills its own workers, registers again, and the job grows back onto its devices."""
     cluster = Cluster(tmp_path, *LONG, "failure=node_hang", "failure.node=2", "failure.step=5",
                       "failure.phase=forward", "failure.resume_after_s=3", "policy.name=dynamic")
-    run = cluster.run()
+    run = cluster.train()
     got = assert_clean(cluster, run, long_reference)
     (recovery,) = got["recoveries"]
     assert recovery["failed_ranks"] == [4, 5] and "missed its lease" in recovery["cause"]
-    assert "registering again" in cluster.agent_log(2)
+    assert "registering again" in cluster.log(2)
     assert sorted(d for g in got["growths"] for d in g["devices"]) == [4, 5]
     assert {"node_returned", "grown"} <= {e["event"] for e in events(run)}
 
 
 def _forge(cluster: Cluster) -> None:
     """Control traffic without the job's secret: a wrong key, and a bare pickled message with no handshake."""
-    started = cluster.tmp_path / "node0" / "events.jsonl"
+    started = cluster.workdir / "node0" / "events.jsonl"
     deadline = time.monotonic() + 60
     while not (started.exists() and '"start"' in started.read_text()) and time.monotonic() < deadline:
         time.sleep(0.1)
     try:
-        connect("127.0.0.1", cluster.port + 1, job_key("not the secret"))
+        connect("127.0.0.1", cluster.control_port, job_key("not the secret"))
     except (AuthError, OSError):
         pass
-    with socket.create_connection(("127.0.0.1", cluster.port + 1)) as sock:
+    with socket.create_connection(("127.0.0.1", cluster.control_port)) as sock:
         forged = pickle.dumps(Exited(0, 0, -9, Position(0, 0, "forward"), time.time(), "forged"))
         sock.sendall(len(forged).to_bytes(4, "big") + forged)
         time.sleep(6)  # beyond the handshake deadline
@@ -194,7 +144,7 @@ def _forge(cluster: Cluster) -> None:
 def test_a_node_lost_and_restarted_grows_back_and_forged_traffic_is_refused(tmp_path, long_reference):
     cluster = Cluster(tmp_path, *LONG, "failure=node_kill", "failure.node=1", "failure.step=5",
                       "failure.phase=backward", "policy.name=dynamic")
-    run = cluster.run(restart=1, during=_forge)
+    run = cluster.train(restart=1, during=_forge)
     got = assert_clean(cluster, run, long_reference)
     assert [r["failed_ranks"] for r in got["recoveries"]] == [[2, 3]], "a forged exit is never acted on"
     assert sorted(d for g in got["growths"] for d in g["devices"]) == [2, 3]

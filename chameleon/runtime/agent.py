@@ -38,6 +38,7 @@ from multiprocessing.connection import Connection, wait
 
 from chameleon.runtime.beacon import Beacon, Position
 from chameleon.runtime.faults import FaultSpec, stop_and_resume
+from chameleon.runtime.launch import host_identity
 from chameleon.runtime.messages import (
     Done, Dying, Exited, Hello, Hung, Inject, Lease, Renew, Shutdown, Signal, Start, Welcome,
 )
@@ -237,18 +238,23 @@ class Agent:
         self.workers.clear()
 
 
-def forkserver(*, warm: bool = False):
+def forkserver(*, start: bool = False, ready: bool = False):
     """The forkserver context workers start from (torch and the worker module preloaded).
 
-    ``warm`` starts the server now, so its imports overlap whatever comes before the first worker.
+    ``start`` starts the server now (its imports overlap what comes next); ``ready`` also waits for
+    them, so that a worker starts in milliseconds afterwards.
     """
     # Workers report their own failures in one line; c10d's C++ warnings (a stack trace for every
     # connection a dead peer closed) would bury them. The forkserver inherits this at its start.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "chameleon.runtime.worker"])
-    if warm:
+    if start:
         mp.forkserver.ensure_running()
+    if ready:  # a no-op child starts once the server has finished its imports
+        child = ctx.Process(target=os.getpid, daemon=True)
+        child.start()
+        child.join()
     return ctx
 
 
@@ -275,7 +281,7 @@ def serve(config: dict, *, node: int, master_addr: str, control_port: int, key: 
     SIGTERM is ignored: on preemption the controller saves a checkpoint and ends the job.
     """
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    forkserver(warm=True)
+    forkserver(start=True, ready=True)  # register only once workers can start at once
     returning, lease_s = False, 2 * config["ft"]["heartbeat_timeout_s"]
     deadline = time.monotonic() + join_timeout_s
     while True:
@@ -292,8 +298,8 @@ def serve(config: dict, *, node: int, master_addr: str, control_port: int, key: 
                 return 1
             time.sleep(0.2)
             continue
-        link.send(Hello(node, _devices(config, node), os.getpid(), node_addr or socket.gethostname(), config,
-                        returning=returning))
+        link.send(Hello(node, _devices(config, node), os.getpid(), node_addr or socket.gethostname(), host_identity(),
+                        config, returning=returning))
         reply = link.recv() if link.poll(join_timeout_s) else None
         if not isinstance(reply, Welcome):
             why = reply.why if isinstance(reply, Shutdown) else "no answer"

@@ -53,6 +53,7 @@ from chameleon.runtime.coordinator import Coordinator, SavedState, Transition
 from chameleon.runtime.detector import Detector
 from chameleon.runtime.errors import JobRestart, Preempted, TrainingError
 from chameleon.runtime.faults import FaultSpec, Injector, controller_faults, planned_faults
+from chameleon.runtime.launch import host_identity
 from chameleon.runtime.ledger import CheckpointComplete, CommitStep, Ledger
 from chameleon.runtime.messages import (
     CheckpointSaved, Done, Dying, Exited, Failed, FinalShards, Hello, Hung, Inject, Lease, Left, Ready, Renew,
@@ -146,6 +147,7 @@ class _Node:
     link: Link | None = None
     pid: int = 0
     host: str = ""
+    host_id: str = ""  # the physical machine (nodes on loopback addresses of one machine share it)
 
     def send(self, order: object) -> bool:
         """Deliver an order; False when the node cannot be reached any more."""
@@ -167,15 +169,11 @@ class Controller:
         self.launcher, self.train, self.ft = config["launcher"], config["train"], config["ft"]
         self.world = world_size(self.launcher)
         self.per_node = self.launcher["nproc_per_node"]
-        model = model_config(config)
+        self.model = model_config(config)
         self.policy = PolicyConfig(**config["policy"])
-        profile = load_profile(model, ClusterConfig(**config["cluster"]), micro_batch=self.train["micro_batch"],
-                               seq_len=self.train["seq_len"], tp=config["parallel"]["tp"])
-        # A measured profile is cached per model and host; the job's own topology is this launch's.
-        self.profile = replace(profile, n_devices=self.world, devices_per_node=self.per_node) if profile.host_cores \
-            else profile
-        self.planner = Planner(self.profile, dp_degrees=tuple(self.policy.dp_degrees), pp_lengths=tuple(self.policy.pp_lengths))
-        self.coordinator = Coordinator(model=model, profile=self.profile, planner=self.planner, policy=self.policy)
+        self.measured = load_profile(self.model, ClusterConfig(**config["cluster"]), micro_batch=self.train["micro_batch"],
+                                     seq_len=self.train["seq_len"], tp=config["parallel"]["tp"])
+        self._cost_model(devices_per_host=self.per_node)
         self.ckpt_root = checkpoint_root(config["ckpt"], run_dir)
         resume = config["ckpt"]["resume"]
         existing = latest_checkpoint(self.ckpt_root)
@@ -201,6 +199,7 @@ class Controller:
         self.generation = -1
         self.alive: set[int] = set(range(self.world))
         self.standby: dict[int, float] = {}
+        self.restarting: set[int] = set()  # devices a returning node is starting, not yet on standby
         self.declined: frozenset[int] = frozenset()
         self.done: set[int] = set()
         self.final: dict[int, dict] = {}
@@ -237,6 +236,19 @@ class Controller:
 
             self.listener = Listener(self.launcher["master_addr"], self.launcher["control_port"], job_key(secret))
 
+    def _cost_model(self, *, devices_per_host: int) -> None:
+        """Profile, planner and coordinator for this launch's topology.
+
+        A measured profile is cached per model and host; how many of this job's devices share a
+        host's cores is this launch's: a node's, or the whole job's when every node runs on one host.
+        """
+        profile = self.measured
+        if profile.host_cores:
+            profile = replace(profile, n_devices=self.world, devices_per_node=devices_per_host)
+        self.profile = profile
+        self.planner = Planner(profile, dp_degrees=tuple(self.policy.dp_degrees), pp_lengths=tuple(self.policy.pp_lengths))
+        self.coordinator = Coordinator(model=self.model, profile=profile, planner=self.planner, policy=self.policy)
+
     # ----- lifecycle -------------------------------------------------------------------
 
     def run(self) -> Path:
@@ -270,10 +282,11 @@ class Controller:
 
     def _open_nodes(self) -> None:
         """Node 0's agent here, every other node's over the network; then generation 0."""
-        forkserver(warm=True)  # its imports overlap the wait for the other nodes
+        forkserver(start=True)  # its imports overlap the wait for the other nodes
         local = Agent(node=0, config=self.config, run_dir=str(self.run_dir), store_host=self.launcher["master_addr"],
                       store_port=self.store.port, node_addr=self.launcher["node_addr"], report=self.inbox.append)
-        self.nodes[0] = _Node(0, local.devices, agent=local, pid=os.getpid(), host=self.launcher["master_addr"])
+        self.nodes[0] = _Node(0, local.devices, agent=local, pid=os.getpid(), host=self.launcher["master_addr"],
+                              host_id=host_identity())
         deadline = time.monotonic() + self.launcher["join_timeout_s"]
         while len(self.nodes) < self.launcher["nnodes"]:
             if time.monotonic() > deadline:
@@ -285,6 +298,8 @@ class Controller:
                 )
             for item in wait(self._waitables(), timeout=0.1):
                 self._on_ready(item)
+        if len({node.host_id for node in self.nodes.values()}) == 1 < len(self.nodes):  # loopback nodes share cores
+            self._cost_model(devices_per_host=self.world)
         self.events.write({"event": "start", "nodes": {n: {"pid": h.pid, "host": h.host} for n, h in self.nodes.items()},
                            "plan": self.first_plan.describe(), "faults": [f.describe() for f in self.faults]})
         self._publish(self.first_plan, members=tuple(range(self.world)), resume_step=self.first_step,
@@ -378,14 +393,15 @@ class Controller:
             if self.generation < 0 and "config differs" in why:  # a mistake in how the job was launched
                 raise TrainingError(f"node {hello.node} at {hello.host}: {why}")
             return
-        node = _Node(hello.node, hello.devices, link=link, pid=hello.pid, host=hello.host)
+        node = _Node(hello.node, hello.devices, link=link, pid=hello.pid, host=hello.host, host_id=hello.host_id)
         self.nodes[hello.node] = node
         self.detector.renewed(hello.node, time.monotonic())
         start = Start(self.generation, hello.devices, self._faults_for(hello.devices)) if self.generation >= 0 else \
             Start(self.generation, ())
+        self.restarting |= set(start.devices)
         link.send(Welcome(hello.node, self.generation, self.config, self.store.port, str(self.run_dir), start))
         self.events.write({"event": "node_joined" if self.generation < 0 else "node_returned", "node": hello.node,
-                           "host": hello.host, "pid": hello.pid, "devices": list(hello.devices)})
+                           "host": hello.host, "pid": hello.pid, "devices": list(hello.devices), "time": time.time()})
 
     def _admission(self, hello: Hello) -> str | None:
         if not 1 <= hello.node < self.launcher["nnodes"]:
@@ -472,6 +488,7 @@ class Controller:
                 self._on_failed(msg)
             case Exited():
                 self.standby.pop(msg.device, None)
+                self.restarting.discard(msg.device)
                 cause = f"exit code {msg.exitcode}" + (" (SIGKILL)" if msg.exitcode == -signal.SIGKILL else "")
                 self._on_fault({msg.device}, cause, t_fault=msg.t_fault, where={msg.device: msg.where},
                                source=msg.t_fault_source)
@@ -503,6 +520,7 @@ class Controller:
         if msg.device in self.alive or msg.device in self.standby:
             return
         self.standby[msg.device] = time.time()
+        self.restarting.discard(msg.device)
         self.events.write({"event": "device_back", "device": msg.device, "time": time.time()})
 
     # ----- generations and steps --------------------------------------------------------
@@ -567,7 +585,7 @@ class Controller:
         rec, self.pending = self.pending, None
         rec.t_first_commit, rec.first_step_s = now, step_s
         self.recoveries.append(rec)
-        self.events.write({"event": "recovered", "generation": self.generation, **rec.record()})
+        self.events.write({"event": "recovered", "generation": self.generation, "time": now, **rec.record()})
         self._say(
             f"chameleon: recovered from the loss of {rec.failed} by {rec.decision.get('choice')} in "
             f"{rec.t_first_commit - rec.t_fault:.3f} s (detect {rec.t_detect - rec.t_fault:.3f}, decide "
@@ -661,6 +679,8 @@ class Controller:
         node = self.nodes.get(target)
         if node is not None and (f.rank is None or f.rank in self.alive):
             self._record_fired([f])
+            self.events.write({"event": "injected", "fault": f.describe(), "generation": self.generation,
+                               "step": self.ledger.next_step, "recovering": self.pending is not None, "time": time.time()})
             node.send(Inject(self.generation, f))
 
     def _fire_timed_faults(self) -> None:
@@ -718,7 +738,8 @@ class Controller:
         joining = frozenset(self.standby)
         if not joining or joining == self.declined or self.growth is not None or self.stopping:
             return
-        if time.time() - max(self.standby.values()) < GROW_SETTLE_S:  # a node's devices come back together
+        settling = time.time() - max(self.standby.values()) < GROW_SETTLE_S
+        if settling and self.restarting:  # a node's devices come back together: wait for the rest, a moment
             return
         if not self.ledger.started or self.ledger.finished or self.pending is not None:
             return
@@ -764,7 +785,7 @@ class Controller:
         g, self.growing = self.growing, None
         g.t_first_commit = now
         self.growths.append(g)
-        self.events.write({"event": "grown", "generation": self.generation, **g.record()})
+        self.events.write({"event": "grown", "generation": self.generation, "time": now, **g.record()})
         self._say(f"chameleon: grew onto devices {g.devices} in {g.t_first_commit - g.t_back:.3f} s after they came back "
                   f"(decide {g.t_decided - g.t_back:.3f}, wait for a step boundary {g.t_switch - g.t_decided:.3f}, "
                   f"restore {g.t_started - g.t_switch:.3f}, first step {g.t_first_commit - g.t_started:.3f})")

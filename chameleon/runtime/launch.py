@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 from collections.abc import Mapping
+from pathlib import Path
 
 DEFAULT_PORT = 29500
 SECRET_ENV = "CHAMELEON_SECRET"
@@ -104,3 +105,12 @@ def _route_to(host: str) -> str:
         return socket.gethostbyname(socket.gethostname())
     finally:
         probe.close()
+
+
+def host_identity() -> str:
+    """This machine (not this address): its hostname and boot id, equal for every loopback node of one host."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"

@@ -117,6 +117,7 @@ class Hello:
     devices: tuple[int, ...]
     pid: int
     host: str
+    host_id: str
     config: dict
     returning: bool = False
     generation: int = -1
