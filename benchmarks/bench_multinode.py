@@ -78,12 +78,12 @@ def one_run(workdir: Path, steps: int, kill_step: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--kill-step", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="one repeat of 250 steps")
+    parser.add_argument("--quick", action="store_true", help="one repeat of 400 steps")
     args = parser.parse_args()
-    steps, repeats = (250, 1) if args.quick else (args.steps, args.repeats)
+    steps, repeats = (400, 1) if args.quick else (args.steps, args.repeats)
     print(f"command: python {' '.join(sys.argv)}")
     print(f"env: Python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPU cores "
           f"(load avg {' '.join(f'{x:.1f}' for x in os.getloadavg())}); 3 loopback nodes × 2 workers, gloo", flush=True)

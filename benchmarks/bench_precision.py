@@ -1,6 +1,6 @@
 """How far runs drift from their failure-free run, fp32 and bf16: where the fault tests' tolerances come from.
 
-    python benchmarks/bench_precision.py
+    python benchmarks/bench_precision.py [--quick]
 
 The fault tests' model (6 layers, dim 64, 8 steps, clipping at 0.5, warm-up +
 cosine) on dp2 × pp3: for each precision, the failure-free run, then runs that
@@ -13,6 +13,7 @@ time of the failure-free runs compares the precisions on this machine.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -57,23 +58,28 @@ def train(run_dir: Path, *overrides: str) -> tuple[dict, dict[str, torch.Tensor]
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="bf16 only, against a single process")
+    args = parser.parse_args()
+    dtypes, variants = (("bf16",), ["single process"]) if args.quick else (("fp32", "bf16"), list(VARIANTS))
     header()
     print(f"model: {' '.join(MODEL)}\nreference: each precision's failure-free run on {' '.join(DP2_PP3)}\n", flush=True)
     rows, step_times = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for dtype in ("fp32", "bf16"):
+        for dtype in dtypes:
             ref, ref_params, times = train(Path(tmp) / f"{dtype}-ref", *DP2_PP3, "failure=none", f"train.dtype={dtype}")
             step_times[dtype] = statistics.median(times[1:])
-            for name, overrides in VARIANTS.items():
-                got, params, _ = train(Path(tmp) / f"{dtype}-{len(rows)}", *overrides, f"train.dtype={dtype}")
+            for name in variants:
+                got, params, _ = train(Path(tmp) / f"{dtype}-{len(rows)}", *VARIANTS[name], f"train.dtype={dtype}")
                 loss = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True))
                 param = max(((params[n] - t).norm() / t.norm()).item() for n, t in ref_params.items())
                 rows.append((dtype, name, loss, got["losses"] == ref["losses"], param))
     print(f"{'dtype':<6} {'run':<28} {'max loss diff (rel)':>20} {'losses bitwise':>15} {'max param diff (rel)':>21}")
     for dtype, name, loss, same, param in rows:
         print(f"{dtype:<6} {name:<28} {loss:>20.2e} {'yes' if same else 'no':>15} {param:>21.2e}")
-    print(f"\nmedian step time, failure-free dp2 × pp3: fp32 {step_times['fp32'] * 1e3:.0f} ms, "
-          f"bf16 {step_times['bf16'] * 1e3:.0f} ms (bf16/fp32 {step_times['bf16'] / step_times['fp32']:.2f})")
+    if len(step_times) == 2:
+        print(f"\nmedian step time, failure-free dp2 × pp3: fp32 {step_times['fp32'] * 1e3:.0f} ms, "
+              f"bf16 {step_times['bf16'] * 1e3:.0f} ms (bf16/fp32 {step_times['bf16'] / step_times['fp32']:.2f})")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -82,6 +81,8 @@ def _job(cfg: DictConfig) -> None:
         if cfg.report.plots:
             plot_run(run_dir)
     if cfg.output.export_hf:
+        import torch
+
         export_hf(torch.load(run_dir / "final_params.pt", weights_only=True), model_config(cfg), run_dir / "hf")
     print(summary, flush=True)
 

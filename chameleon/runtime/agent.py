@@ -178,8 +178,10 @@ class Agent:
         now = time.monotonic()
         for device, w in self.workers.items():
             beat = w.beacon.heartbeat
-            if beat != w.beat or _running(w.process.pid):
+            if beat != w.beat:
                 w.beat, w.beat_t, w.hung = beat, now, False
+            elif not w.hung and now - w.beat_t > self.hung_after_s and _running(w.process.pid):
+                w.beat_t = now  # busy, its heartbeat thread starved: not hung
             elif not w.hung and now - w.beat_t > self.hung_after_s:
                 w.hung = True
                 self.report(Hung(device, self.generation, w.beacon.position(), now - w.beat_t,
