@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_multinode.py [--steps 400] [--kill-step 20] [--repeats 2] [--quick]
+    python benchmarks/bench_multinode.py [--steps 600] [--kill-step 20] [--repeats 2] [--quick]
 
 The job (the tiny model, three pipelines of two stages, one per node) loses node 1 — its
 agent and both workers SIGKILLed as one process group at a random moment of step

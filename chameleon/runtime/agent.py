@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 from chameleon.runtime.beacon import Beacon, Position
-from chameleon.runtime.faults import FaultSpec, stop_and_resume
+from chameleon.runtime.faults import FaultSpec, kill_node, stop_and_resume
 from chameleon.runtime.launch import host_identity
 from chameleon.runtime.messages import (
     Done, Dying, Exited, Hello, Hung, Inject, Lease, Renew, Shutdown, Signal, Start, Welcome,
@@ -209,7 +209,7 @@ class Agent:
             self.signal(Signal(order.generation, f.rank, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP,
                                f.describe()))
         elif f.kind == "node_kill":
-            os.killpg(os.getpgid(0), signal.SIGKILL)
+            kill_node(os.getpid())
         elif f.kind == "node_hang":
             stop_and_resume(os.getpid(), f.resume_after_s)
 

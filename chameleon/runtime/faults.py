@@ -8,7 +8,7 @@ Kinds of fault, each on a device (``rank``) or a whole node (``node``):
   (caught only by the progress watchdog);
 - ``error`` / ``device_error``: an exception in the worker — an error of the run,
   which stops it, or a fault of the device itself, which loses that device;
-- ``node_kill``: SIGKILL of the node agent's whole process group (agent and workers);
+- ``node_kill``: SIGKILL of the node agent and every process under it (its workers) at once;
 - ``node_hang``: SIGSTOP of the node agent (a partition), resumed after ``resume_after_s``.
 
 A fault pinned to a ``step`` and ``phase`` is fired by the victim worker itself at
@@ -33,6 +33,7 @@ import subprocess
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from chameleon.runtime.beacon import Beacon, Position
 from chameleon.runtime.errors import DeviceFault
@@ -260,9 +261,35 @@ class WorkerFaults:
         elif f.kind == "device_error":
             raise DeviceFault(f"injected device fault ({f.describe()})")
         elif f.kind == "node_kill":
-            os.killpg(os.getpgid(self._agent_pid), signal.SIGKILL)
+            kill_node(self._agent_pid)
         elif f.kind == "node_hang":
             stop_and_resume(self._agent_pid, f.resume_after_s)
+
+
+def kill_node(agent_pid: int) -> None:
+    """SIGKILL a node's agent and every process under it (forkserver, workers) at once, the caller last.
+
+    The agent's own process tree, not its process group: an agent started from a script shares the
+    script's group, which a node's loss must leave alone.
+    """
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_bytes().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [agent_pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    me = os.getpid()
+    for pid in [p for p in tree if p != me] + ([me] if me in tree else []):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def stop_and_resume(pid: int, after_s: float) -> None:

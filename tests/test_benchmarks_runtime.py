@@ -1,0 +1,38 @@
+"""The runtime benchmarks' smallest runs end to end, so none can rot (figures not checked here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_benchmarks import ROOT, run
+
+
+def test_chaos_quick():
+    """Three seeds of random kills and hangs: nothing lost, nothing hung, nothing left behind."""
+    proc = run("chaos.py", "--quick")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| 3 |" in proc.stdout and "PROBLEM" not in proc.stdout
+
+
+@pytest.mark.parametrize(("script", "args", "expect"), [
+    ("bench_recovery.py", ["--quick"], "restart path"),
+    ("bench_pipeline.py", ["--layouts", "2x2", "--rounds", "1", "--warmup", "1", "--steps", "2"], "ours/plain"),
+    ("bench_sync.py", ["--plans", "2+3", "--dims", "64", "--rounds", "1", "--warmup", "1", "--iters", "2"], "round"),
+    ("bench_planner.py", ["--scales", "32"], "32"),
+    ("bench_estimator.py", ["--plans", "dp2", "--steps", "3"], "dp2"),
+    ("bench_precision.py", ["--quick"], "single process"),
+    ("device_check.py", [], "skipped"),
+    ("bench_multinode.py", ["--quick"], "medians"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_runtime_benchmark_runs(script, args, expect):
+    """A smallest run of each runtime benchmark (its full run writes the docs' figures)."""
+    proc = run(script, *args, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert expect in proc.stdout
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="compares with an earlier git revision: needs a git checkout")
+def test_bench_onehost_quick():
+    proc = run("bench_onehost.py", "--quick", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "this ÷ baseline" in proc.stdout
