@@ -77,7 +77,7 @@ class Decision:
 
 
 def _fmt(value: float, spec: str) -> str:
-    return "—" if math.isinf(value) else format(value, spec)
+    return format("—", f">{spec.split('.')[0]}") if math.isinf(value) else format(value, spec)
 
 
 def estimate_d(policy: PolicyConfig, *, fault_times: list[float], elapsed_s: float) -> tuple[float, str]:

@@ -100,6 +100,9 @@ class Plan:
         lines = []
         for j, p in enumerate(self.pipelines):
             stages = "|".join(f"{s.layers[0]}:{s.layers[1]}" for s in p.stages)
+            if not p.devices:
+                lines.append(f"pipe{j} [{stages}] no devices left; its {p.micro_batches}mb run rerouted")
+                continue
             tps = sorted({s.tp for s in p.stages if s.devices})
             devs = ",".join(map(str, p.devices))
             lines.append(f"pipe{j} [{stages}] tp{'/'.join(map(str, tps))} ×{p.micro_batches}mb on {devs}")

@@ -427,7 +427,7 @@ class Controller:
                     return
                 message = link.recv()
             except (EOFError, OSError, AuthError) as err:
-                self._on_node_lost(node.node, f"its agent's link closed ({str(err) or 'closed'})")
+                self._on_node_lost(node.node, "its agent's link closed" + (f" ({err})" if str(err) else ""))
                 return
             if isinstance(message, Lease):
                 now = time.monotonic()
