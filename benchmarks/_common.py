@@ -17,16 +17,18 @@ import torch.multiprocessing as mp
 
 from chameleon.runtime.comm import connect_store
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = "127.0.0.1"
 TIMEOUT_S = 300.0
 
 
-def header() -> None:
-    """Print the command and the environment."""
-    print("command:", " ".join([os.path.relpath(sys.executable)] + sys.argv))
+def header(setting: str = "gloo, 1 thread per worker") -> None:
+    """Print the command as run from the repository root, and the environment (load included)."""
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
+    print("command:", " ".join(["python", script, *sys.argv[1:]]))
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"env: Python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPU cores "
-          f"(load avg {load}), gloo, 1 thread per worker", flush=True)
+          f"(load avg {load}), {setting}", flush=True)
 
 
 def launch(target: Callable, world: int, *args) -> list:

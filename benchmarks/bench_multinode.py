@@ -22,16 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import header  # noqa: E402
 from _loopback import Loopback  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -84,9 +83,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one repeat of 400 steps")
     args = parser.parse_args()
     steps, repeats = (400, 1) if args.quick else (args.steps, args.repeats)
-    print(f"command: python {' '.join(sys.argv)}")
-    print(f"env: Python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPU cores "
-          f"(load avg {' '.join(f'{x:.1f}' for x in os.getloadavg())}); 3 loopback nodes × 2 workers, gloo", flush=True)
+    header("3 loopback nodes × 2 workers, gloo")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(repeats):

@@ -18,14 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
+from _common import header
+
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ["train.steps=30", "model.dim=64", "model.n_layers=4", "train.global_batch=16", "train.micro_batch=4",
@@ -57,9 +57,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one repeat")
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
-    print(f"command: python {' '.join(sys.argv)}")
-    print(f"env: Python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPU cores "
-          f"(load avg {' '.join(f'{x:.1f}' for x in os.getloadavg())})", flush=True)
+    header()
     with tempfile.TemporaryDirectory() as tmp:
         baseline = Path(tmp) / "baseline"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(baseline), args.baseline],
@@ -74,8 +72,8 @@ def main() -> None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)], check=True)
     med = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for name, rows in results.items()}
     base, this = med[f"baseline {args.baseline}"], med["this tree"]
-    print(f"\n| tree | start-up (s) | samples/s before the fault | kill → first committed step (s) | "
-          f"samples/s after | final loss |")
+    print("\n| tree | start-up (s) | samples/s before the fault | kill → first committed step (s) | "
+          "samples/s after | final loss |")
     print("|---|---|---|---|---|---|")
     for name, m in med.items():
         print(f"| {name} | {m['startup_s']:.2f} | {m['before']:.0f} | {m['recovery_s']:.3f} | {m['after']:.0f} | "

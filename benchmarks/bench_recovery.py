@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from _common import header
+
 
 POLICIES = ("reroute", "dynamic", "redundant", "checkpoint", "chameleon")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -92,8 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.workers, args.steps, args.kill_step, args.policies = [4], 12, 8, ["chameleon"]
-    print(f"command: python {' '.join(sys.argv)}")
-    print(f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs, {platform.platform()}")
+    header()
     common = [f"train.steps={args.steps}", "failure=kill", "failure.rank=1", f"failure.step={args.kill_step}",
               "failure.phase=any", "ckpt.interval=5"]
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,7 +21,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,9 @@ from pathlib import Path
 import torch
 
 from chameleon.report.compare import Drift, mismatches
+
+from _common import header
+
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 MODEL = ("model.dim=64", "model.n_layers=8", "train.global_batch=16", "train.micro_batch=2", "train.seq_len=32",
@@ -91,9 +93,7 @@ def main() -> None:
     seeds = range(args.first_seed, args.first_seed + (3 if args.quick else args.seeds))
     steps = (f"train.steps={30 if args.quick else args.steps}",)
     mtbf = 1.0 if args.quick else args.mtbf
-    print(f"command: python {' '.join(sys.argv)}")
-    print(f"env: Python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPU cores "
-          f"(load avg {' '.join(f'{x:.1f}' for x in os.getloadavg())})", flush=True)
+    header()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         reference, _ = train(root / "reference", *steps, *layout, "failure=none", "ckpt=none", timeout=args.timeout)
@@ -146,8 +146,8 @@ def main() -> None:
                 problems.append(f"seed {seed}: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1]}")
             tally[outcome] += 1
             print(f"seed {seed}: {outcome} in {wall:.1f} s, {len(injected)} faults injected", flush=True)
-    print(f"\n| seeds | faults injected | … during a recovery | faults survived | trained to the end | "
-          f"stopped correctly | mismatches | failed | hangs | leftovers |")
+    print("\n| seeds | faults injected | … during a recovery | faults survived | trained to the end | "
+          "stopped correctly | mismatches | failed | hangs | leftovers |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     print(f"| {len(seeds)} | {tally['faults injected']} | {tally['injected during a recovery']} | "
           f"{tally['faults survived']} | {tally['trained'] + tally['mismatch']} | {tally['stopped correctly']} | "
