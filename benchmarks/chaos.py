@@ -32,6 +32,7 @@ import torch
 from chameleon.report.compare import Drift, mismatches
 
 from _common import header
+from _processes import lingering
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -52,23 +53,6 @@ def train(run_dir: Path, *overrides: str, timeout: float) -> tuple[subprocess.Co
         proc.communicate()
         return None, proc.pid
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), proc.pid
-
-
-def lingering(session: int, grace_s: float = 3.0) -> list[int]:
-    """Processes of a finished run's session still alive after ``grace_s``."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        found = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_bytes().rsplit(b")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == session and fields[0] != b"Z":
-                found.append(int(stat.parent.name))
-        if not found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.1)
 
 
 def outputs(run_dir: Path) -> tuple[dict, dict]:

@@ -6,13 +6,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks._processes import lingering
 from chameleon.report.compare import Drift, mismatches
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
@@ -37,27 +37,6 @@ class Run:
     @property
     def params(self) -> dict[str, torch.Tensor]:
         return torch.load(self.run_dir / "final_params.pt", weights_only=True)
-
-
-def session_processes(session: int) -> list[int]:
-    """Live (non-zombie) processes of a session; a run's controller, forkserver and workers share one."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_bytes().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session and fields[0] != b"Z":
-            found.append(int(stat.parent.name))
-    return found
-
-
-def lingering(session: int, grace_s: float = 3.0) -> list[int]:
-    """The session's processes still alive ``grace_s`` after the run (helpers exit a moment after their parent)."""
-    deadline = time.monotonic() + grace_s
-    while (found := session_processes(session)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return found
 
 
 def run_entry(entry: str, run_dir: Path, *overrides: str, timeout: float = 240, env: dict | None = None) -> Run:
