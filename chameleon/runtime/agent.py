@@ -200,7 +200,10 @@ class Agent:
         w = self.workers.get(order.device)
         if w is not None and w.process.is_alive():
             w.t_fault = time.time()
-            os.kill(w.process.pid, order.signum)
+            try:
+                os.kill(w.process.pid, order.signum)
+            except ProcessLookupError:  # exited and reaped since: its exit is reported as any other
+                pass
 
     def inject(self, order: Inject) -> None:
         """Fire a fault from outside its victim: a worker's kill or hang, or this node's kill or hang."""
