@@ -7,9 +7,8 @@ profiles, whose devices are processes sharing their node's cores, the 1F1B phase
 is a processor-sharing simulation of every op and the rest is stretched by the
 share of a core each process gets. Stage costs fold the point-to-point activation transfer into
 the sending stage (blocking send), so the closed form ``fill + (m−1)·bottleneck``
-is exact for uniform stages (Eq. 9) and an upper bound otherwise. Memory follows
-Eq. 14 with the embedding and head on the first and last stages and
-``min(n_stages − s, m)`` activations in flight.
+is exact for uniform stages (Eq. 9) and an upper bound otherwise. Memory is
+:mod:`chameleon.layout.memory` (Eq. 14), the model config validation uses too.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from chameleon.decision.profiler import Profile
+from chameleon.layout import memory
 from chameleon.layout.plan import Plan, Stage
 
 REROUTE_SLOTS = ("max", "sum")
@@ -61,10 +61,8 @@ def stage_params(profile: Profile, n_layers: int, *, first: bool, last: bool) ->
 
 
 def stage_memory(profile: Profile, n_layers: int, *, first: bool, last: bool, in_flight: int) -> float:
-    """Eq. 14: parameter + gradient + optimizer bytes, plus ``in_flight`` micro-batches of activations."""
-    acts = n_layers * profile.layer_act_bytes + (profile.first_act_bytes if first else 0)
-    acts += profile.last_act_bytes if last else 0
-    return profile.state_bytes(stage_params(profile, n_layers, first=first, last=last)) + in_flight * acts
+    """Eq. 14 for one device of a stage at the profile's TP degree (:func:`chameleon.layout.memory.stage_memory`)."""
+    return memory.stage_memory(profile.memory_costs, n_layers, first=first, last=last, in_flight=in_flight, tp=profile.tp)
 
 
 def one_f_one_b_order(n_stages: int, stage: int, n_micro: int) -> list[tuple[bool, int]]:
@@ -298,19 +296,8 @@ def symmetric_step(n_stages: int, n_micro: int, fwd: float, bwd: float) -> float
 
 
 def memory_per_device(profile: Profile, plan: Plan) -> dict[int, float]:
-    """Eq. 14 per device; a reroute host also keeps activations for each pipeline it serves."""
-    served: dict[tuple[int, int], int] = {}
-    for r in plan.reroutes:
-        for h in set(r.hosts):
-            served[(h, r.stage)] = served.get((h, r.stage), 0) + 1
-    out = {}
-    for j, p in enumerate(plan.pipelines):
-        for s, st in enumerate(p.stages):
-            in_flight = min(p.n_stages - s, p.micro_batches) * (1 + served.get((j, s), 0))
-            mem = stage_memory(profile, st.n_layers, first=s == 0, last=s == p.n_stages - 1, in_flight=in_flight)
-            for d in st.devices:
-                out[d] = mem
-    return out
+    """Eq. 14 per device (:func:`chameleon.layout.memory.plan_memory` with the profile's costs)."""
+    return memory.plan_memory(profile.memory_costs, plan)
 
 
 def held_params(plan: Plan) -> dict[int, set[int]]:

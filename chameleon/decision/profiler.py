@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from chameleon.decision.config import ClusterConfig
+from chameleon.layout.memory import ELEMENT_BYTES, MOMENT_BYTES, MemoryCosts
 from chameleon.model import llama
 from chameleon.model.config import ModelConfig
 from chameleon.optim import adamw, init_moments
@@ -74,9 +75,14 @@ class Profile:
     devices_per_node: int
     host_cores: float = 0.0  # CPU cores the devices of one node share; 0: each device computes on its own
 
-    def state_bytes(self, params: int) -> float:
-        """Bytes per device of parameters, gradients and optimizer state for ``params`` elements."""
-        return params / self.tp * (2 * self.bytes_per_elem + self.optim_bytes_per_elem)
+    @property
+    def memory_costs(self) -> MemoryCosts:
+        """This profile's stage parts for :func:`chameleon.layout.memory.plan_memory` (layer activations made whole)."""
+        return MemoryCosts(
+            layer_params=self.layer_params, first_params=self.first_params, last_params=self.last_params,
+            layer_act_bytes=self.layer_act_bytes * self.tp, first_act_bytes=self.first_act_bytes,
+            last_act_bytes=self.last_act_bytes, state_bytes_per_param=2 * self.bytes_per_elem + self.optim_bytes_per_elem,
+        )
 
     def migrate_bytes(self, params: int) -> float:
         """Bytes a device must receive to take over ``params`` elements: weights + 2 AdamW moments."""
@@ -138,14 +144,6 @@ def with_tensor_parallel(profile: Profile, tp: int) -> Profile:
     )
 
 
-def _layer_params(model: ModelConfig) -> tuple[int, int, int]:
-    count = lambda names: llama.param_bytes(model, names, bytes_per_elem=1)  # noqa: E731
-    layer = count(llama.stage_param_names(model, (0, 1), first=False, last=False))
-    first = count(llama.stage_param_names(model, (0, 0), first=True, last=False))
-    last = count(llama.stage_param_names(model, (0, 0), first=False, last=True))
-    return layer, first, last
-
-
 def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, tp: int) -> Profile:
     """A profile from datasheet figures.
 
@@ -153,7 +151,7 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
     (``T`` tokens, ``s`` the context), backward twice that. Activations assume flash
     attention (no ``s×s`` scores kept) and bf16 tensors; the head keeps fp32 logits.
     """
-    layer_p, first_p, last_p = _layer_params(model)
+    layer_p, first_p, last_p = llama.unit_params(model)
     tokens = micro_batch * seq_len
     rate = cluster.peak_tflops * 1e12 * cluster.mfu * tp
     layer_fwd = (2 * layer_p * tokens + 2 * tokens * seq_len * model.dim) / rate
@@ -185,7 +183,7 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
         optim_bytes_per_elem=cluster.optim_bytes_per_elem,
         layer_act_bytes=act_elems * cluster.bytes_per_elem // tp,
         first_act_bytes=0,
-        last_act_bytes=tokens * model.vocab_size * 4 // tp,
+        last_act_bytes=tokens * model.vocab_size * ELEMENT_BYTES["fp32"],  # the head is replicated
         boundary_bytes=tokens * model.dim * cluster.bytes_per_elem,
         memory_bytes=cluster.memory_gb * 1e9,
         p2p_bw=cluster.intra_gbps * 1e9,
@@ -261,7 +259,7 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
     layer_f, layer_b, layer_act = _fwd_bwd(model, params, hidden, None, layers=(0, 1), first=False, last=False)
     first_f, first_b, first_act = _fwd_bwd(model, params, tokens, None, layers=(0, 0), first=True, last=False)
     last_f, last_b, last_act = _fwd_bwd(model, params, hidden, tokens, layers=(1, 1), first=False, last=True)
-    layer_p, first_p, last_p = _layer_params(model)
+    layer_p, first_p, last_p = llama.unit_params(model)
     layer_names = llama.stage_param_names(model, (0, 1), first=False, last=False)
     layer = {n: params[n].detach() for n in layer_names}
     grads, moments = {n: torch.randn_like(t) for n, t in layer.items()}, init_moments(layer)
@@ -285,12 +283,12 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
         layer_params=layer_p,
         first_params=first_p,
         last_params=last_p,
-        bytes_per_elem=4,
-        optim_bytes_per_elem=8,
+        bytes_per_elem=ELEMENT_BYTES["fp32"],
+        optim_bytes_per_elem=MOMENT_BYTES,
         layer_act_bytes=layer_act,
         first_act_bytes=first_act,
         last_act_bytes=last_act,
-        boundary_bytes=micro_batch * seq_len * model.dim * 4,
+        boundary_bytes=micro_batch * seq_len * model.dim * ELEMENT_BYTES["fp32"],
         memory_bytes=memory,
         p2p_bw=comm["p2p_bw"],
         p2p_latency_s=comm["p2p_latency_s"],
