@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 import random
 
 import pytest
@@ -170,3 +171,49 @@ def test_shared_cores_between_free_cores_and_one_core(seed):
     # One core never idles while an op is ready: every op's work, back to back.
     work = sum(p.micro_batches * (sum(f) + sum(b)) for (f, b), p in zip(costs, plan.pipelines))
     assert est.shared_compute(replace(prof, host_cores=1.0), plan) == pytest.approx(work)
+
+
+def _random_uneven_plan(rng: random.Random, n_layers: int, tp: int):
+    from chameleon.layout.plan import plan_from_spec
+
+    specs = []
+    for _ in range(rng.randint(2, 4)):
+        cuts = sorted(rng.sample(range(1, n_layers), rng.randint(0, min(3, n_layers - 1))))
+        specs.append({"layers": [b - a for a, b in zip([0] + cuts, cuts + [n_layers])], "micro_batches": 1})
+    return plan_from_spec(specs, tp=tp, n_layers=n_layers, global_batch=len(specs), micro_batch=1)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_sync_rounds_are_the_runtimes(seed):
+    """The estimator's sync is the runtime's: its DSATUR rounds of the plan's layout, each as long as its largest group.
+
+    The first case, pipelines [2, 2] and [1, 2, 1], is one the greedy colouring the
+    estimator once had put in 3 rounds where the runtime runs 2.
+    """
+    from functools import partial
+
+    from chameleon.layout.colouring import sync_rounds
+    from chameleon.layout.plan import plan_from_spec
+    from chameleon.layout.spec import layout_of
+    from chameleon.model.llama import param_shapes, stage_param_names
+
+    rng = random.Random(seed)
+    n_layers, tp = rng.randint(3, 7), 1 + seed % 2
+    prof = tiny_profile(n_layers=n_layers, tp=tp)
+    model = ModelConfig(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=256)
+    if seed == 0:
+        plan = plan_from_spec([{"layers": [2, 2], "micro_batches": 1}, {"layers": [1, 2, 1], "micro_batches": 1}],
+                              tp=1, n_layers=4, global_batch=2, micro_batch=1)
+        prof, model = tiny_profile(n_layers=4), replace(model, n_layers=4)
+    else:
+        plan = _random_uneven_plan(rng, n_layers, tp)
+    shapes = param_shapes(model)
+    rounds = sync_rounds(layout_of(plan, shapes, partial(stage_param_names, model)))
+    seconds, n_rounds = est.sync_time(prof, plan)
+    assert n_rounds == len(rounds)
+    if seed == 0:
+        assert n_rounds == 2
+    if tp == 1:
+        numel = lambda names: sum(math.prod(shapes[n]) for n in names)  # noqa: E731
+        expected = sum(max(est.allreduce_time(prof, len(g.devices), numel(g.names)) for g in r) for r in rounds)
+        assert seconds == pytest.approx(expected)

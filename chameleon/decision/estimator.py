@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 from chameleon.decision.profiler import Profile
 from chameleon.layout import memory
+from chameleon.layout.colouring import conflict_colours
 from chameleon.layout.plan import Plan, Stage
+from chameleon.layout.schedule import one_f_one_b
 
 REROUTE_SLOTS = ("max", "sum")
 
@@ -66,12 +68,8 @@ def stage_memory(profile: Profile, n_layers: int, *, first: bool, last: bool, in
 
 
 def one_f_one_b_order(n_stages: int, stage: int, n_micro: int) -> list[tuple[bool, int]]:
-    """The op sequence of ``stage`` under 1F1B: ``(is_backward, micro_batch)`` pairs."""
-    warm = min(n_stages - stage - 1, n_micro)
-    ops = [(False, m) for m in range(warm)]
-    for i in range(n_micro - warm):
-        ops += [(False, warm + i), (True, i)]
-    return ops + [(True, m) for m in range(n_micro - warm, n_micro)]
+    """The runtime's 1F1B op sequence of ``stage`` (:func:`chameleon.layout.schedule.one_f_one_b`): ``(is_backward, micro)``."""
+    return [(a.kind == "B", a.micro) for a in one_f_one_b(pipeline=0, stage=stage, n_stages=n_stages, n_micro=n_micro)]
 
 
 def pipeline_time(fwd: list[float], bwd: list[float], n_micro: int) -> float:
@@ -117,7 +115,8 @@ def sync_rounds(plan: Plan) -> list[tuple[int, list[int], tuple[int, ...]]]:
     """DP gradient-sync buckets: ``(group_size, model_units, holders)``, one per distinct group.
 
     Layers (and the embedding/head units) held by the same set of stages across
-    pipelines are bucketed into one all-reduce; members are stage ids ``(j, s)``
+    pipelines are bucketed into one all-reduce, in model order as the runtime's
+    :func:`chameleon.layout.colouring.sync_groups`; members are stage ids ``(j, s)``
     flattened to ints so two buckets conflict when they share a stage.
     """
     n_layers = plan.n_layers
@@ -139,28 +138,6 @@ def sync_rounds(plan: Plan) -> list[tuple[int, list[int], tuple[int, ...]]]:
     return buckets
 
 
-def colour_rounds(buckets: list[tuple[float, int, tuple[int, ...]]]) -> list[list[int]]:
-    """Greedy colouring of ``(params, first_unit, holders)`` buckets into rounds of disjoint groups.
-
-    Largest bucket first (ties by first model unit); each takes the first round
-    whose groups share no holder with it.
-    """
-    order = sorted(range(len(buckets)), key=lambda i: (-buckets[i][0], buckets[i][1]))
-    rounds: list[list[int]] = []
-    used: list[set[int]] = []
-    for i in order:
-        members = set(buckets[i][2])
-        for r, seen in enumerate(used):
-            if not seen & members:
-                rounds[r].append(i)
-                seen |= members
-                break
-        else:
-            rounds.append([i])
-            used.append(set(members))
-    return rounds
-
-
 def allreduce_time(profile: Profile, group_size: int, params: float) -> float:
     """Ring all-reduce of ``params`` gradient elements (per device) over ``group_size`` units."""
     if group_size < 2:
@@ -172,13 +149,17 @@ def allreduce_time(profile: Profile, group_size: int, params: float) -> float:
 def sync_time(profile: Profile, plan: Plan) -> tuple[float, int]:
     """Seconds and rounds of the coloured DP gradient sync of a plan."""
     buckets = [
-        (size, sum(unit_params(profile, plan.n_layers, u) for u in units), min(units), holders)
+        (size, sum(unit_params(profile, plan.n_layers, u) for u in units), holders)
         for size, units, holders in sync_rounds(plan)
         if size > 1
     ]
-    rounds = colour_rounds([(params, first, holders) for _, params, first, holders in buckets])
-    seconds = sum(max(allreduce_time(profile, buckets[i][0], buckets[i][1]) for i in r) for r in rounds)
-    return seconds, len(rounds)
+    colours = conflict_colours([holders for _, _, holders in buckets])
+    rounds = max(colours, default=-1) + 1
+    seconds = sum(
+        max(allreduce_time(profile, size, params) for (size, params, _), c in zip(buckets, colours) if c == r)
+        for r in range(rounds)
+    )
+    return seconds, rounds
 
 
 def optimizer_time(profile: Profile, plan: Plan) -> float:
