@@ -217,3 +217,38 @@ def test_sync_rounds_are_the_runtimes(seed):
         numel = lambda names: sum(math.prod(shapes[n]) for n in names)  # noqa: E731
         expected = sum(max(est.allreduce_time(prof, len(g.devices), numel(g.names)) for g in r) for r in rounds)
         assert seconds == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_rerouted_step_is_the_runtimes_schedule(seed):
+    """Rerouted plans are timed by the runtime's merged action lists (``reroute_slots=schedule``).
+
+    Without reroutes that is Eq. 11's slowest pipeline; with them, a host runs its own
+    and the rerouted micro-batches, so the step lasts at least the busiest host's work
+    and at most every op one after another — which is what one shared core gives.
+    """
+    from chameleon.decision.selector import reroute_plan
+    from chameleon.layout.schedule import step_actions
+
+    rng = random.Random(seed)
+    prof = replace(tiny_profile(n_layers=6), devices_per_node=64)
+    dp, pp = rng.randint(2, 4), rng.randint(2, 3)
+    plan = even_plan(dp=dp, pp=pp, tp=1, n_layers=6, global_batch=dp * rng.randint(1, 4), micro_batch=1)
+    assert est.schedule_time(prof, plan) == pytest.approx(max(est.estimate_step(prof, plan).pipelines))
+    lost = rng.sample(range(pp), rng.randint(1, pp - 1))  # pipeline 0 loses these stages
+    rr = reroute_plan(plan, {plan.pipelines[0].stages[s].devices[0] for s in lost})
+    assert len(rr.reroutes) == len(lost)
+    cost = {}
+    for j, p in enumerate(rr.pipelines):
+        for s, st in enumerate(p.stages):
+            cost["F", j, s], cost["B", j, s] = est.stage_cost(prof, st.n_layers, first=s == 0, last=s == p.n_stages - 1)
+    work = {d: sum(cost[a.kind, a.pipeline, a.stage] for a in acts) for d, acts in step_actions(rr).items()}
+    total = sum(rr.pipelines[j].micro_batches * (cost["F", j, s] + cost["B", j, s])
+                for j, p in enumerate(rr.pipelines) for s in range(p.n_stages))
+    step = est.schedule_time(prof, rr)
+    assert max(work.values()) - 1e-9 <= step <= total + 1e-9
+    assert step > est.schedule_time(prof, plan)  # hosts run more than before
+    assert est.shared_compute(replace(prof, host_cores=64.0), rr) == pytest.approx(step)
+    assert est.shared_compute(replace(prof, host_cores=1.0), rr) == pytest.approx(total)
+    assert est.estimate_step(prof, rr).t_step == pytest.approx(step + est.estimate_step(prof, rr).sync
+                                                               + est.estimate_step(prof, rr).optimizer)

@@ -17,6 +17,8 @@ import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -38,7 +40,7 @@ class Profile:
     Times are seconds per micro-batch; ``*_params`` are whole (unsharded) element
     counts; activation bytes are what autograd keeps per micro-batch until backward.
     Bandwidths are bytes/s. ``host_cores`` is set for CPU devices (worker processes),
-    which time-share their node's cores.
+    which time-share their node's cores, of which they got ``core_share`` when profiled.
     """
 
     key: str
@@ -74,6 +76,8 @@ class Profile:
     n_devices: int
     devices_per_node: int
     host_cores: float = 0.0  # CPU cores the devices of one node share; 0: each device computes on its own
+    core_share: float = 1.0  # the share of those cores that busy processes got when profiled (others' jobs)
+    commit_s: float = 0.0  # a step's commit round trip: one worker's message, a store key set, its wake-up
 
     @property
     def memory_costs(self) -> MemoryCosts:
@@ -301,7 +305,50 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
         n_devices=cluster.n_devices,
         devices_per_node=cluster.devices_per_node,
         host_cores=len(os.sched_getaffinity(0)),
+        core_share=measure_core_share(len(os.sched_getaffinity(0))),
+        commit_s=comm["commit_s"],
     )
+
+
+_SPIN = (
+    "import time\n"
+    "wall, cpu = time.perf_counter(), time.process_time()\n"
+    "while time.perf_counter() - wall < {seconds}:\n"
+    "    pass\n"
+    "print((time.process_time() - cpu) / (time.perf_counter() - wall))\n"
+)
+
+
+def measure_core_share(cores: int, *, seconds: float = 0.3) -> float:
+    """The share of ``cores`` that ``cores`` CPU-bound processes get now: about 1 on an idle host.
+
+    Each process spins for ``seconds`` and reports its CPU time over its wall time;
+    the mean is the share other users' jobs leave to ours.
+    """
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _SPIN.format(seconds=seconds)], stdout=subprocess.PIPE, text=True)
+        for _ in range(cores)
+    ]
+    shares = [float(p.communicate()[0]) for p in procs]
+    return min(1.0, statistics.mean(shares))
+
+
+def _commit_round_trip(rank: int, port: int, *, reps: int) -> list[float]:
+    """Rank 1 (a worker) sets ``synced/i``; rank 0 (the controller) waits for it and sets ``commit/i``."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    times = []
+    for i in range(reps):
+        if rank == 0:
+            store.wait([f"synced/{i}"])
+            store.set(f"commit/{i}", "1")
+        else:
+            start = time.perf_counter()
+            store.set(f"synced/{i}", "1")
+            store.wait([f"commit/{i}"])
+            times.append(time.perf_counter() - start)
+    return times
 
 
 def _host_memory() -> float:
@@ -320,7 +367,9 @@ def measure_comm(*, n_procs: int = 3, small: int = 1 << 10, large: int = 1 << 22
     Returns:
         ``p2p_bw``/``p2p_latency_s`` from a small and a large send; ``allreduce_bw`` (bus
         bandwidth, i.e. for ``2(n−1)/n · bytes``) and ``allreduce_latency_s`` fitted over
-        group sizes 2..n_procs; ``group_create_s``, the mean ``new_group`` time.
+        group sizes 2..n_procs; ``group_create_s``, the mean ``new_group`` time;
+        ``commit_s``, the commit round trip as the runtime makes it (a worker sets a key
+        in the controller's store, the controller answers with another, the worker wakes).
     """
     import torch.multiprocessing as mp
 
@@ -329,13 +378,13 @@ def measure_comm(*, n_procs: int = 3, small: int = 1 << 10, large: int = 1 << 22
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "comm.json"
         mp.start_processes(
-            _comm_worker, args=(n_procs, _free_port(), small, large, str(out)), nprocs=n_procs,
+            _comm_worker, args=(n_procs, _free_port(), _free_port(), small, large, str(out)), nprocs=n_procs,
             start_method="spawn",
         )
         return json.loads(out.read_text())
 
 
-def _comm_worker(rank: int, world: int, port: int, small: int, large: int, out: str) -> None:
+def _comm_worker(rank: int, world: int, port: int, store_port: int, small: int, large: int, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -369,6 +418,10 @@ def _comm_worker(rank: int, world: int, port: int, small: int, large: int, out: 
                 for _ in range(reps):
                     dist.all_reduce(buf, group=group)
             fits.append((n, nbytes, (time.perf_counter() - start) / reps))
+    commit = _commit_round_trip(rank, store_port, reps=20) if rank < 2 else []
+    dist.barrier()
+    if rank == 1:
+        Path(out + ".commit").write_text(json.dumps(statistics.median(commit)))
     dist.barrier()
     if rank == 0:
         lat = statistics.mean(t for _, b, t in fits if b == small)
@@ -379,5 +432,6 @@ def _comm_worker(rank: int, world: int, port: int, small: int, large: int, out: 
             "allreduce_latency_s": lat,
             "allreduce_bw": statistics.median(bus),
             "group_create_s": statistics.mean(create),
+            "commit_s": json.loads(Path(out + ".commit").read_text()),
         }))
     dist.destroy_process_group()
