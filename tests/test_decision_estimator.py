@@ -252,3 +252,15 @@ def test_rerouted_step_is_the_runtimes_schedule(seed):
     assert est.shared_compute(replace(prof, host_cores=1.0), rr) == pytest.approx(total)
     assert est.estimate_step(prof, rr).t_step == pytest.approx(step + est.estimate_step(prof, rr).sync
                                                                + est.estimate_step(prof, rr).optimizer)
+
+
+def test_other_jobs_slow_every_process_fairly():
+    """``background_procs`` busy processes of other jobs take their fair share of the cores."""
+    prof = replace(tiny_profile(), devices_per_node=64, host_cores=2.0)
+    one = even_plan(dp=1, pp=1, tp=1, n_layers=prof.n_layers, global_batch=4, micro_batch=1)
+    alone = est.shared_compute(prof, one)
+    assert alone == pytest.approx(max(est.estimate_step(prof, one).pipelines))
+    # 1 of ours + 3 others on 2 cores: each runs at 2/4 of a core.
+    assert est.shared_compute(replace(prof, background_procs=3.0), one) == pytest.approx(2 * alone)
+    assert est.cpu_share(replace(prof, background_procs=3.0), one) == pytest.approx(2.0)
+    assert est.shared_compute(replace(prof, background_procs=0.5), one) == pytest.approx(alone)  # a core is free

@@ -195,21 +195,17 @@ def reroute_extra(profile: Profile, plan: Plan, *, slots: str = "max") -> float:
     return sum(per_stage.values()) if slots == "sum" else max(per_stage.values())
 
 
-def cores(profile: Profile) -> float:
-    """Cores a node's busy processes get: ``host_cores`` less what others' jobs took at profiling (0: unshared)."""
-    return profile.host_cores * profile.core_share
-
-
 def cpu_share(profile: Profile, plan: Plan) -> float:
-    """``max(1, P/C)`` of the busiest node: the stretch when all ``P`` processes on ``C`` cores are busy.
+    """``max(1, (P + n)/C)`` of the busiest node: the stretch when its ``P`` processes are busy on ``C`` cores.
 
     CPU devices (``profile.host_cores`` > 0) are processes time-sharing their node's
-    cores; gradient sync and the optimizer step keep every process busy at once.
+    cores with each other and ``n = profile.background_procs`` busy processes of other
+    jobs; gradient sync and the optimizer step keep every process busy at once.
     """
     if not profile.host_cores or not plan.devices:
         return 1.0
     per_node = Counter(d // profile.devices_per_node for d in plan.devices)
-    return max(1.0, max(per_node.values()) / cores(profile))
+    return max(1.0, (max(per_node.values()) + profile.background_procs) / profile.host_cores)
 
 
 def _op_costs(profile: Profile, plan: Plan) -> dict[tuple[str, int, int], float]:
@@ -273,12 +269,12 @@ def shared_compute(profile: Profile, plan: Plan, *, merged: bool = True) -> floa
 
     A processor-sharing simulation: each TP mesh runs its ops in order (see
     :func:`_executors` for ``merged``) once their inputs are done, and while ``n``
-    processes on a node with ``C`` free cores (:func:`cores`) run ops, each
-    progresses at ``min(1, C/n)``; a waiting process uses no core. Equals
-    :func:`schedule_time` when no node has more busy processes than cores.
+    processes on a node with ``C`` cores run ops, each progresses at
+    ``min(1, C/(n + background))`` (``profile.background_procs`` of other jobs); a
+    waiting process uses no core. Equals :func:`schedule_time` when no node has
+    more busy processes than cores.
     """
     cost, units = _op_costs(profile, plan), _executors(profile, plan, merged=merged)
-    free = cores(profile)
     done: set[Action] = set()
     pos = [0] * len(units)
     left: dict[int, float] = {}  # unit -> work left of its running op
@@ -296,7 +292,7 @@ def shared_compute(profile: Profile, plan: Plan, *, merged: bool = True) -> floa
         busy: Counter = Counter()
         for u in left:
             busy[units[u][0]] += units[u][1]
-        rate = {u: min(1.0, free / busy[units[u][0]]) for u in left}
+        rate = {u: min(1.0, profile.host_cores / (busy[units[u][0]] + profile.background_procs)) for u in left}
         step = min(left[u] / rate[u] for u in left)
         now += step
         for u in list(left):

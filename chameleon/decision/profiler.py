@@ -40,7 +40,8 @@ class Profile:
     Times are seconds per micro-batch; ``*_params`` are whole (unsharded) element
     counts; activation bytes are what autograd keeps per micro-batch until backward.
     Bandwidths are bytes/s. ``host_cores`` is set for CPU devices (worker processes),
-    which time-share their node's cores, of which they got ``core_share`` when profiled.
+    which time-share their node's cores with each other and with ``background_procs``
+    busy processes of other jobs. Compute times are CPU times: what an op costs on a core of its own.
     """
 
     key: str
@@ -76,7 +77,7 @@ class Profile:
     n_devices: int
     devices_per_node: int
     host_cores: float = 0.0  # CPU cores the devices of one node share; 0: each device computes on its own
-    core_share: float = 1.0  # the share of those cores that busy processes got when profiled (others' jobs)
+    background_procs: float = 0.0  # CPU-bound processes of other jobs on the node when profiled
     commit_s: float = 0.0  # a step's commit round trip: one worker's message, a store key set, its wake-up
 
     @property
@@ -204,14 +205,14 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
 
 
 def _timed(fn, *, warmup: int = 2, reps: int = 5) -> float:
-    """The fastest of ``reps`` calls: time slices lost to other processes do not count."""
+    """The least CPU time of ``reps`` calls: time spent waiting for a core (others' jobs) does not count."""
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        samples.append(time.perf_counter() - start)
+        samples.append(time.process_time() - start)
     return min(samples)
 
 
@@ -236,9 +237,9 @@ def _fwd_bwd(model: ModelConfig, params: dict, x, targets, *, layers, first, las
     outs = [forward() for _ in range(7)]
     samples = []
     for o in outs:
-        start = time.perf_counter()
+        start = time.process_time()
         o.backward(grad)
-        samples.append(time.perf_counter() - start)
+        samples.append(time.process_time() - start)
     return fwd, min(samples[2:]), sum(saved.values())
 
 
@@ -305,7 +306,7 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
         n_devices=cluster.n_devices,
         devices_per_node=cluster.devices_per_node,
         host_cores=len(os.sched_getaffinity(0)),
-        core_share=measure_core_share(len(os.sched_getaffinity(0))),
+        background_procs=measure_background(len(os.sched_getaffinity(0))),
         commit_s=comm["commit_s"],
     )
 
@@ -319,18 +320,19 @@ _SPIN = (
 )
 
 
-def measure_core_share(cores: int, *, seconds: float = 0.3) -> float:
-    """The share of ``cores`` that ``cores`` CPU-bound processes get now: about 1 on an idle host.
+def measure_background(cores: int, *, seconds: float = 0.5) -> float:
+    """How many CPU-bound processes of other jobs share the ``cores`` now: 0 on an idle host.
 
-    Each process spins for ``seconds`` and reports its CPU time over its wall time;
-    the mean is the share other users' jobs leave to ours.
+    ``cores`` processes spin for ``seconds`` and report their CPU time over wall
+    time; a fair scheduler gives each ``s = C / (C + n)`` of a core when ``n`` other
+    processes are busy, so ``n = C/s − C``.
     """
     procs = [
         subprocess.Popen([sys.executable, "-c", _SPIN.format(seconds=seconds)], stdout=subprocess.PIPE, text=True)
         for _ in range(cores)
     ]
-    shares = [float(p.communicate()[0]) for p in procs]
-    return min(1.0, statistics.mean(shares))
+    share = statistics.mean(float(p.communicate()[0]) for p in procs)
+    return max(0.0, cores / max(share, 1e-3) - cores)
 
 
 def _commit_round_trip(rank: int, port: int, *, reps: int) -> list[float]:
@@ -348,6 +350,10 @@ def _commit_round_trip(rank: int, port: int, *, reps: int) -> list[float]:
             store.set(f"synced/{i}", "1")
             store.wait([f"commit/{i}"])
             times.append(time.perf_counter() - start)
+    if rank == 0:
+        store.wait(["done"])  # the store lives in this process: keep it until the worker has its last key
+    else:
+        store.set("done", "1")
     return times
 
 
