@@ -12,9 +12,9 @@ stages) or ``policy=dynamic`` (the planner's plan for the survivors), the plan i
 the one the decision recorded and the time is that of the last generation, its
 first step excluded; rerouted plans also show Eq. 13's ``max`` and ``sum``.
 
-The host's cores are shared with other users' jobs: before each run the
-profiler's probe (:func:`measure_background`) counts the busy processes of others
-(column ``busy``), and the estimate uses that count; ``load`` is the 1-minute load
+The host's cores are shared with other users' jobs: before and after each run
+the profiler's probe (:func:`measure_background`) counts the busy processes of
+others (column ``busy``, the mean), and the estimate uses that count; ``load`` is the 1-minute load
 average after the run.
 """
 
@@ -111,11 +111,12 @@ def plan_from_dict(d: dict) -> Plan:
 
 
 def run_plan(name: str, run_dir: Path, steps: int, cores: float) -> dict:
-    """Train plan ``name`` for real: the plan that ran last, its steady step time, others' busy processes before
-    (the profiler's probe) and the load average after."""
+    """Train plan ``name`` for real: the plan that ran last, its steady step time, others' busy processes (the
+    profiler's probe, mean of before and after) and the load average after."""
     overrides, faults = PLANS[name]
-    background = measure_background(cores)
+    before = measure_background(cores)
     summary = measure((*overrides, *faults), run_dir, steps)
+    background = (before + measure_background(cores)) / 2
     if not faults:
         cfg = compose(config_name="config", overrides=[*BASE, *overrides])
         plan, measured = build_plan(cfg), summary["mean_step_time_s"]
@@ -169,7 +170,8 @@ def main() -> None:
             shared.append(est.cpu_share > 1)
             print(f"{name:<13} {run['procs']:>5} {est.t_step:>8.4f} {measured:>8.4f} "
                   f"{100 * (est.t_step - measured) / measured:>+6.1f}% {run['background_procs']:>5.2f} "
-                  f"{run['load']:>5.2f} {100 * (alone - measured) / measured:>+6.1f}%  1F1B {est.shared_compute or est.compute:.4f} (alone {est.compute:.4f}) + "
+                  f"{run['load']:>5.2f} {100 * (alone - measured) / measured:>+6.1f}%  "
+                  f"1F1B {est.shared_compute or est.compute:.4f} (alone {est.compute:.4f}) + "
                   f"{est.cpu_share:.3g} × (sync {est.sync:.4f} in {est.sync_rounds} rounds + optimizer "
                   f"{est.optimizer:.4f}) + commit {now.commit_s:.4f}", flush=True)
             if plan.reroutes:

@@ -164,7 +164,9 @@ def test_placement_moves_the_fewest_bytes(scenario):
         return sum(reference_cost(before.get(d, {}), held) for d, held in device_holdings(layout(plan)).items())
 
     def on_groups(order) -> Plan:
-        return relabel_plan(slot_plan, {d: g[i % tp] for d, g, i in zip(slot_plan.devices, (g for g in order for _ in g), itertools.count())})
+        """The slot plan's k-th stage on the k-th group of ``order`` (slot devices are in stage order)."""
+        devices = [d for g in order for d in g]
+        return relabel_plan(slot_plan, dict(zip(slot_plan.devices, devices)))
 
     best = min(wire_bytes(on_groups(order)) for order in itertools.permutations(groups))
     placed = place(on_groups(groups), old_plan, profile)
