@@ -37,6 +37,7 @@ from chameleon.config import TrainConfig
 from chameleon.data.stream import SampleStream, micro_batch_samples
 from chameleon.layout.colouring import sync_rounds
 from chameleon.layout.plan import Plan, even_plan, micro_batch_ranges
+from chameleon.layout.schedule import step_actions
 from chameleon.layout.spec import layout_of
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import (
@@ -46,7 +47,7 @@ from chameleon.model.llama import (
     stage_param_names,
 )
 from chameleon.runtime.comm import Generation, connect_store
-from chameleon.runtime.schedule import run_step, step_actions
+from chameleon.runtime.schedule import run_step
 from chameleon.runtime.stage import StageState, role_of
 
 CPU = torch.device("cpu")

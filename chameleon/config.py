@@ -382,9 +382,13 @@ def _check(ok: bool, message: str) -> None:
 
 def _check_memory(cfg: DictConfig, plan: Plan) -> None:
     """Refuse plans whose per-device state cannot fit; say how to shrink."""
-    from chameleon.runtime.memory import device_memory_bytes, plan_memory_bytes
+    from chameleon.layout.memory import plan_memory
+    from chameleon.model.llama import memory_costs
+    from chameleon.runtime.memory import device_memory_bytes
 
-    need = plan_memory_bytes(model_config(cfg), plan, seq_len=cfg.train.seq_len, dtype=cfg.train.dtype)
+    costs = memory_costs(model_config(cfg), micro_batch=plan.micro_batch_size, seq_len=cfg.train.seq_len,
+                         dtype=cfg.train.dtype)
+    need = plan_memory(costs, plan)
     try:
         per_device, total = device_memory_bytes(cfg.launcher)
     except RuntimeError as err:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 import random
 
 import pytest
@@ -170,3 +171,96 @@ def test_shared_cores_between_free_cores_and_one_core(seed):
     # One core never idles while an op is ready: every op's work, back to back.
     work = sum(p.micro_batches * (sum(f) + sum(b)) for (f, b), p in zip(costs, plan.pipelines))
     assert est.shared_compute(replace(prof, host_cores=1.0), plan) == pytest.approx(work)
+
+
+def _random_uneven_plan(rng: random.Random, n_layers: int, tp: int):
+    from chameleon.layout.plan import plan_from_spec
+
+    specs = []
+    for _ in range(rng.randint(2, 4)):
+        cuts = sorted(rng.sample(range(1, n_layers), rng.randint(0, min(3, n_layers - 1))))
+        specs.append({"layers": [b - a for a, b in zip([0] + cuts, cuts + [n_layers])], "micro_batches": 1})
+    return plan_from_spec(specs, tp=tp, n_layers=n_layers, global_batch=len(specs), micro_batch=1)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_sync_rounds_are_the_runtimes(seed):
+    """The estimator's sync is the runtime's: its DSATUR rounds of the plan's layout, each as long as its largest group.
+
+    The first case, pipelines [2, 2] and [1, 2, 1], is one the greedy colouring the
+    estimator once had put in 3 rounds where the runtime runs 2.
+    """
+    from functools import partial
+
+    from chameleon.layout.colouring import sync_rounds
+    from chameleon.layout.plan import plan_from_spec
+    from chameleon.layout.spec import layout_of
+    from chameleon.model.llama import param_shapes, stage_param_names
+
+    rng = random.Random(seed)
+    n_layers, tp = rng.randint(3, 7), 1 + seed % 2
+    prof = tiny_profile(n_layers=n_layers, tp=tp)
+    model = ModelConfig(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=256)
+    if seed == 0:
+        plan = plan_from_spec([{"layers": [2, 2], "micro_batches": 1}, {"layers": [1, 2, 1], "micro_batches": 1}],
+                              tp=1, n_layers=4, global_batch=2, micro_batch=1)
+        prof, model = tiny_profile(n_layers=4), replace(model, n_layers=4)
+    else:
+        plan = _random_uneven_plan(rng, n_layers, tp)
+    shapes = param_shapes(model)
+    rounds = sync_rounds(layout_of(plan, shapes, partial(stage_param_names, model)))
+    seconds, n_rounds = est.sync_time(prof, plan)
+    assert n_rounds == len(rounds)
+    if seed == 0:
+        assert n_rounds == 2
+    if tp == 1:
+        numel = lambda names: sum(math.prod(shapes[n]) for n in names)  # noqa: E731
+        expected = sum(max(est.allreduce_time(prof, len(g.devices), numel(g.names)) for g in r) for r in rounds)
+        assert seconds == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_rerouted_step_is_the_runtimes_schedule(seed):
+    """Rerouted plans are timed by the runtime's merged action lists (``reroute_slots=schedule``).
+
+    Without reroutes that is Eq. 11's slowest pipeline; with them, a host runs its own
+    and the rerouted micro-batches, so the step lasts at least the busiest host's work
+    and at most every op one after another — which is what one shared core gives.
+    """
+    from chameleon.decision.selector import reroute_plan
+    from chameleon.layout.schedule import step_actions
+
+    rng = random.Random(seed)
+    prof = replace(tiny_profile(n_layers=6), devices_per_node=64)
+    dp, pp = rng.randint(2, 4), rng.randint(2, 3)
+    plan = even_plan(dp=dp, pp=pp, tp=1, n_layers=6, global_batch=dp * rng.randint(1, 4), micro_batch=1)
+    assert est.schedule_time(prof, plan) == pytest.approx(max(est.estimate_step(prof, plan).pipelines))
+    lost = rng.sample(range(pp), rng.randint(1, pp - 1))  # pipeline 0 loses these stages
+    rr = reroute_plan(plan, {plan.pipelines[0].stages[s].devices[0] for s in lost})
+    assert len(rr.reroutes) == len(lost)
+    cost = {}
+    for j, p in enumerate(rr.pipelines):
+        for s, st in enumerate(p.stages):
+            cost["F", j, s], cost["B", j, s] = est.stage_cost(prof, st.n_layers, first=s == 0, last=s == p.n_stages - 1)
+    work = {d: sum(cost[a.kind, a.pipeline, a.stage] for a in acts) for d, acts in step_actions(rr).items()}
+    total = sum(rr.pipelines[j].micro_batches * (cost["F", j, s] + cost["B", j, s])
+                for j, p in enumerate(rr.pipelines) for s in range(p.n_stages))
+    step = est.schedule_time(prof, rr)
+    assert max(work.values()) - 1e-9 <= step <= total + 1e-9
+    assert step > est.schedule_time(prof, plan)  # hosts run more than before
+    assert est.shared_compute(replace(prof, host_cores=64.0), rr) == pytest.approx(step)
+    assert est.shared_compute(replace(prof, host_cores=1.0), rr) == pytest.approx(total)
+    assert est.estimate_step(prof, rr).t_step == pytest.approx(step + est.estimate_step(prof, rr).sync
+                                                               + est.estimate_step(prof, rr).optimizer)
+
+
+def test_other_jobs_slow_every_process_fairly():
+    """``background_procs`` busy processes of other jobs take their fair share of the cores."""
+    prof = replace(tiny_profile(), devices_per_node=64, host_cores=2.0)
+    one = even_plan(dp=1, pp=1, tp=1, n_layers=prof.n_layers, global_batch=4, micro_batch=1)
+    alone = est.shared_compute(prof, one)
+    assert alone == pytest.approx(max(est.estimate_step(prof, one).pipelines))
+    # 1 of ours + 3 others on 2 cores: each runs at 2/4 of a core.
+    assert est.shared_compute(replace(prof, background_procs=3.0), one) == pytest.approx(2 * alone)
+    assert est.cpu_share(replace(prof, background_procs=3.0), one) == pytest.approx(2.0)
+    assert est.shared_compute(replace(prof, background_procs=0.5), one) == pytest.approx(alone)  # a core is free

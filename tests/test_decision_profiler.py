@@ -26,6 +26,7 @@ def test_measured_profile_is_real_and_cached(tmp_path):
     assert prof.layer_params == llama.param_bytes(model, layer_names, bytes_per_elem=1)
     assert prof.layer_act_bytes >= 2 * 16 * 32 * 4  # at least the layer input is kept
     assert prof.p2p_bw > 0 and prof.dp_bw > 0 and prof.group_create_s > 0
+    assert prof.background_procs >= 0 and 0 < prof.commit_s < 1
     again = load_profile(model, replace(cluster, comm_procs=4), micro_batch=2, seq_len=16)
     assert again == prof  # served from the JSON cache, no new measurement
     assert len(list(tmp_path.glob("*.json"))) == 1

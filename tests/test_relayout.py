@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -11,16 +12,11 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate
 
 from chameleon.layout.plan import Pipeline, Plan, Stage, even_plan, plan_from_spec
-from chameleon.layout.relayout import (
-    STATE_BYTES_PER_ELEMENT,
-    LostStateError,
-    Manifest,
-    assign_survivors,
-    cost_matrix,
-    place_plan,
-    relabel_plan,
-    relayout,
-)
+from chameleon.decision.config import ClusterConfig
+from chameleon.decision.planner import place
+from chameleon.decision.profiler import analytic_profile
+from chameleon.layout.memory import MIGRATE_BYTES
+from chameleon.layout.relayout import LostStateError, Manifest, relabel_plan, relayout
 from chameleon.layout.spec import Layout, device_holdings, layout_of, local_slices, region_shape
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import param_shapes, stage_param_names
@@ -69,7 +65,7 @@ def reference_cost(held: dict, needed: dict) -> int:
     for name, region in needed.items():
         lack = mask(name, region) & ~(mask(name, held[name]) if name in held else False)
         missing += int(lack.sum())
-    return missing * STATE_BYTES_PER_ELEMENT
+    return missing * MIGRATE_BYTES
 
 
 def check_manifest(manifest: Manifest, survivors) -> None:
@@ -125,23 +121,57 @@ SCENARIOS = {
 }
 
 
+def cfg_profile(tp: int):
+    """An analytic profile of ``CFG`` (its parameter counts are what placement weighs)."""
+    cluster = ClusterConfig(kind="analytic", memory_gb=1.0, peak_tflops=1.0, hbm_gbps=1.0, intra_gbps=1.0,
+                            inter_gbps=1.0)
+    return analytic_profile(CFG, cluster, micro_batch=1, seq_len=8, tp=tp)
+
+
+def on_survivors(slot_plan: Plan, survivors) -> Plan:
+    """The slot plan's devices 0, 1, ... put on the survivors in order."""
+    return relabel_plan(slot_plan, dict(zip(range(len(slot_plan.devices)), survivors)))
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_place_plan_is_exact_and_optimal(scenario):
+def test_relayout_to_a_new_plan_is_exact(scenario):
     old_plan, survivors, slot_plan = SCENARIOS[scenario]
-    old_layout = layout(old_plan)
-    plan, new_layout, manifest = place_plan(
-        old_layout, slot_plan, survivors=survivors, shapes=SHAPES, stage_names=NAMES
-    )
-    assert new_layout == layout(plan)
-    assert set(plan.devices) <= set(survivors)
+    manifest = relayout(layout(old_plan), layout(on_survivors(slot_plan, survivors)), survivors=survivors)
     check_manifest(manifest, survivors)
-    before = device_holdings(old_layout)
-    needs = device_holdings(layout(slot_plan))
-    slots = sorted(needs)
-    costs = {(d, s): reference_cost(before.get(d, {}), needs[s]) for d in survivors for s in slots}
-    perms = itertools.permutations(survivors, len(slots))
-    best = min(sum(costs[d, s] for d, s in zip(perm, slots)) for perm in perms)
-    assert manifest.wire_bytes == best
+
+
+PLACEMENTS = {  # scenarios whose new plan keeps the old TP groups, as the planner's plans do
+    name: SCENARIOS[name] for name in ("dp2pp2-dev1-dies-to-3-stages", "dp3pp2-dev0-replaced-by-dev6")
+} | {
+    "pp3tp2-resplit": (
+        plan_from_spec([{"layers": [2, 1, 1], "micro_batches": 6}], tp=2, n_layers=4, global_batch=6, micro_batch=1),
+        (4, 5, 2, 3, 0, 1),
+        plan_from_spec([{"layers": [1, 1, 2], "micro_batches": 6}], tp=2, n_layers=4, global_batch=6, micro_batch=1),
+    ),
+}
+
+
+@pytest.mark.parametrize("scenario", PLACEMENTS)
+def test_placement_moves_the_fewest_bytes(scenario):
+    """The planner's placement against every assignment of the survivors' TP groups to the new stages."""
+    old_plan, survivors, slot_plan = PLACEMENTS[scenario]
+    tp = slot_plan.pipelines[0].stages[0].tp
+    profile = cfg_profile(tp)
+    groups = [tuple(survivors[i:i + tp]) for i in range(0, len(survivors), tp)]
+    before = device_holdings(layout(old_plan))
+
+    def wire_bytes(plan: Plan) -> int:
+        return sum(reference_cost(before.get(d, {}), held) for d, held in device_holdings(layout(plan)).items())
+
+    def on_groups(order) -> Plan:
+        """The slot plan's k-th stage on the k-th group of ``order`` (slot devices are in stage order)."""
+        devices = [d for g in order for d in g]
+        return relabel_plan(slot_plan, dict(zip(slot_plan.devices, devices)))
+
+    best = min(wire_bytes(on_groups(order)) for order in itertools.permutations(groups))
+    placed = place(on_groups(groups), old_plan, profile)
+    assert wire_bytes(placed) == best
+    check_manifest(relayout(layout(old_plan), layout(placed), survivors=survivors), survivors)
 
 
 def test_paper_figure_3():
@@ -163,34 +193,31 @@ def test_paper_figure_3():
     slot_plan = plan_from_spec(
         [{"layers": [2, 2, 2, 3], "micro_batches": 1}], tp=1, n_layers=9, global_batch=1, micro_batch=1
     )
-    old_layout = layout_of(old_plan, shapes, names, rules=rules)
-    needs = device_holdings(layout_of(slot_plan, shapes, names, rules=rules))
-    survivors = (0, 1, 2, 3)  # device 3 is the incoming empty card
-    costs = cost_matrix(device_holdings(old_layout), survivors, needs, bytes_per_element=1)
-    assert costs.tolist() == [[0, 1, 2, 3], [2, 1, 0, 3], [2, 2, 2, 0], [2, 2, 2, 3]]
-    mapping = assign_survivors(device_holdings(old_layout), survivors, needs, bytes_per_element=1)
-    assert mapping == {0: 0, 1: 3, 2: 1, 3: 2}
-    assert sum(costs[d, s] for s, d in mapping.items()) == 2
-    # The naive in-order mapping (card i → slot i) moves 0+1+2+3 = 6 layers (the digest's "7" misadds).
-    assert sum(costs[s, s] for s in range(4)) == 6
-    plan, _, manifest = place_plan(
-        old_layout, slot_plan, survivors=survivors, shapes=shapes, stage_names=names, rules=rules, bytes_per_element=1
+    one_byte_layers = replace(
+        cfg_profile(1), n_layers=9, layer_params=1, first_params=0, last_params=0, bytes_per_elem=1, optim_bytes_per_elem=0,
     )
+    plan = place(slot_plan, old_plan, one_byte_layers)  # device 3 is the incoming empty card
     assert [s.devices for s in plan.pipelines[0].stages] == [(0,), (3,), (1,), (2,)]
+    # The naive in-order mapping (card i → slot i) moves 0+1+2+3 = 6 layers (the digest's "7" misadds).
+    old_layout = layout_of(old_plan, shapes, names, rules=rules)
+    naive = relayout(old_layout, layout_of(slot_plan, shapes, names, rules=rules), survivors=(0, 1, 2, 3))
+    assert naive.wire_bytes == 6 * MIGRATE_BYTES
+    manifest = relayout(old_layout, layout_of(plan, shapes, names, rules=rules), survivors=(0, 1, 2, 3))
     wire = sorted((m.name, m.src, m.dst) for m in manifest.moves if not m.local)
     assert wire == [("layer2", 0, 3), ("layer3", 1, 3)]
-    assert manifest.wire_bytes == 2 and len(manifest.rounds) == 2  # device 3 receives one link per round
+    assert manifest.wire_bytes == 2 * MIGRATE_BYTES and len(manifest.rounds) == 2  # device 3 receives one link per round
 
 
 def test_sources_are_balanced_over_replicas():
     old_plan, survivors, slot_plan = SCENARIOS["dp3pp2-dev0-replaced-by-dev6"]
-    _, _, manifest = place_plan(layout(old_plan), slot_plan, survivors=survivors, shapes=SHAPES, stage_names=NAMES)
+    manifest = relayout(layout(old_plan), layout(relabel_plan(slot_plan, {0: 6} | {d: d for d in survivors[:-1]})),
+                        survivors=survivors)
     sent = {}
     for m in manifest.moves:
         if not m.local:
             assert m.dst == 6
             sent[m.src] = sent.get(m.src, 0) + m.nbytes
-    largest = max(np.prod(s) for s in SHAPES.values()) * STATE_BYTES_PER_ELEMENT
+    largest = max(np.prod(s) for s in SHAPES.values()) * MIGRATE_BYTES
     assert set(sent) == {2, 4} and abs(sent[2] - sent[4]) <= largest
     assert len(manifest.rounds) == 2  # device 6 receives from one link per round
 
@@ -199,10 +226,8 @@ def test_lost_state_and_bad_inputs():
     old = layout(even_plan(dp=1, pp=2, tp=1, n_layers=4, global_batch=4, micro_batch=1))
     one_stage = plan_from_spec([{"layers": [4], "micro_batches": 4}], tp=1, n_layers=4, global_batch=4, micro_batch=1)
     with pytest.raises(LostStateError, match="checkpoint"):
-        place_plan(old, one_stage, survivors=(0,), shapes=SHAPES, stage_names=NAMES)
+        relayout(old, layout(one_stage), survivors=(0,))
     two_stages = even_plan(dp=1, pp=2, tp=1, n_layers=4, global_batch=4, micro_batch=1)
-    with pytest.raises(ValueError, match="only 1 devices survive"):
-        place_plan(old, two_stages, survivors=(0,), shapes=SHAPES, stage_names=NAMES)
     with pytest.raises(ValueError, match="not survivors"):
         relayout(old, layout(two_stages), survivors=(0,))
 

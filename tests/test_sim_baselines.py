@@ -163,7 +163,7 @@ def test_bamboo_hidden_share_and_shadow_memory():
     shadow = bamboo.redundant_profile(profile, hidden=0.25)
     assert shadow.layer_fwd_s == pytest.approx(1.75)
     # Own weights, gradients and Adam state (2+2+12) plus the shadow's weights and Adam state (2+12).
-    assert shadow.state_bytes(1) == pytest.approx(profile.state_bytes(1) + 14)
+    assert shadow.memory_costs.state_bytes_per_param == pytest.approx(profile.memory_costs.state_bytes_per_param + 14)
 
 
 def test_bamboo_fails_over_then_reconfigures_by_the_artifacts_rule():

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from chameleon.layout.plan import even_plan, plan_from_spec
-from chameleon.layout.relayout import place_plan, relabel_plan, relayout
+from chameleon.layout.relayout import relabel_plan, relayout
 from chameleon.layout.spec import layout_of
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import param_shapes, stage_param_names
@@ -43,9 +43,11 @@ def transitions():
     slots_b = plan_from_spec(
         [{"layers": [1, 2, 1], "micro_batches": 4}], tp=1, n_layers=4, global_batch=4, micro_batch=1
     )
-    _, layout_b, a_to_b = place_plan(layout_a, slots_b, survivors=(0, 2, 3), shapes=SHAPES, stage_names=NAMES)
+    layout_b = layout_of(relabel_plan(slots_b, {0: 0, 1: 2, 2: 3}), SHAPES, NAMES)
+    a_to_b = relayout(layout_a, layout_b, survivors=(0, 2, 3))
     slots_c = even_plan(dp=1, pp=2, tp=2, n_layers=4, global_batch=4, micro_batch=1)
-    _, layout_c, b_to_c = place_plan(layout_b, slots_c, survivors=range(WORLD), shapes=SHAPES, stage_names=NAMES)
+    layout_c = layout_of(slots_c, SHAPES, NAMES)
+    b_to_c = relayout(layout_b, layout_c, survivors=range(WORLD))
     c_to_a = relayout(layout_c, layout_a, survivors=range(WORLD))
     swapped = layout_of(relabel_plan(plan_a, {0: 1, 1: 0, 2: 3, 3: 2}), SHAPES, NAMES)
     return a_to_b, b_to_c, c_to_a, relayout(layout_a, swapped, survivors=range(WORLD))

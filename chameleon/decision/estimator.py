@@ -1,15 +1,15 @@
 """Performance model: step time, memory and transition cost of a plan (paper Eqs. 9–14).
 
 Step time = slowest pipeline's 1F1B schedule (Eq. 10/11, an exact longest path
-through the schedule's dependency DAG, stages may differ) + rerouting's extra
-slots (Eq. 12/13) + coloured DP gradient-sync rounds + the optimizer step. On CPU
-profiles, whose devices are processes sharing their node's cores, the 1F1B phase
-is a processor-sharing simulation of every op and the rest is stretched by the
-share of a core each process gets. Stage costs fold the point-to-point activation transfer into
+through the schedule's dependency DAG, stages may differ; with reroutes, the
+runtime's own merged schedule, or Eq. 12/13's extra slots on request) + the
+runtime's coloured DP gradient-sync rounds + the optimizer step + the commit
+round trip. On CPU profiles, whose devices are processes sharing their node's
+cores, the 1F1B phase is a processor-sharing simulation of every op and the rest
+is stretched by the share of a core each process gets. Stage costs fold the point-to-point activation transfer into
 the sending stage (blocking send), so the closed form ``fill + (m−1)·bottleneck``
-is exact for uniform stages (Eq. 9) and an upper bound otherwise. Memory follows
-Eq. 14 with the embedding and head on the first and last stages and
-``min(n_stages − s, m)`` activations in flight.
+is exact for uniform stages (Eq. 9) and an upper bound otherwise. Memory is
+:mod:`chameleon.layout.memory` (Eq. 14), the model config validation uses too.
 """
 
 from __future__ import annotations
@@ -19,18 +19,21 @@ from collections import Counter
 from dataclasses import dataclass
 
 from chameleon.decision.profiler import Profile
+from chameleon.layout import memory
+from chameleon.layout.colouring import conflict_colours
 from chameleon.layout.plan import Plan, Stage
+from chameleon.layout.schedule import Action, dependency, one_f_one_b, step_actions
 
-REROUTE_SLOTS = ("max", "sum")
+REROUTE_SLOTS = ("schedule", "max", "sum")
 
 
 @dataclass(frozen=True)
 class StepEstimate:
     """Estimated step time of a plan and its parts (seconds).
 
-    ``t_step = compute + reroute + sync + optimizer``, except on shared CPU cores:
-    ``shared_compute + cpu_share · (reroute + sync + optimizer)``. The parts are
-    unshared.
+    ``t_step = compute + reroute + sync + optimizer + commit``, except on shared CPU
+    cores: ``shared_compute + cpu_share · (reroute + sync + optimizer) + commit``.
+    The parts are unshared.
     """
 
     t_step: float
@@ -61,19 +64,13 @@ def stage_params(profile: Profile, n_layers: int, *, first: bool, last: bool) ->
 
 
 def stage_memory(profile: Profile, n_layers: int, *, first: bool, last: bool, in_flight: int) -> float:
-    """Eq. 14: parameter + gradient + optimizer bytes, plus ``in_flight`` micro-batches of activations."""
-    acts = n_layers * profile.layer_act_bytes + (profile.first_act_bytes if first else 0)
-    acts += profile.last_act_bytes if last else 0
-    return profile.state_bytes(stage_params(profile, n_layers, first=first, last=last)) + in_flight * acts
+    """Eq. 14 for one device of a stage at the profile's TP degree (:func:`chameleon.layout.memory.stage_memory`)."""
+    return memory.stage_memory(profile.memory_costs, n_layers, first=first, last=last, in_flight=in_flight, tp=profile.tp)
 
 
 def one_f_one_b_order(n_stages: int, stage: int, n_micro: int) -> list[tuple[bool, int]]:
-    """The op sequence of ``stage`` under 1F1B: ``(is_backward, micro_batch)`` pairs."""
-    warm = min(n_stages - stage - 1, n_micro)
-    ops = [(False, m) for m in range(warm)]
-    for i in range(n_micro - warm):
-        ops += [(False, warm + i), (True, i)]
-    return ops + [(True, m) for m in range(n_micro - warm, n_micro)]
+    """The runtime's 1F1B op sequence of ``stage`` (:func:`chameleon.layout.schedule.one_f_one_b`): ``(is_backward, micro)``."""
+    return [(a.kind == "B", a.micro) for a in one_f_one_b(pipeline=0, stage=stage, n_stages=n_stages, n_micro=n_micro)]
 
 
 def pipeline_time(fwd: list[float], bwd: list[float], n_micro: int) -> float:
@@ -119,7 +116,8 @@ def sync_rounds(plan: Plan) -> list[tuple[int, list[int], tuple[int, ...]]]:
     """DP gradient-sync buckets: ``(group_size, model_units, holders)``, one per distinct group.
 
     Layers (and the embedding/head units) held by the same set of stages across
-    pipelines are bucketed into one all-reduce; members are stage ids ``(j, s)``
+    pipelines are bucketed into one all-reduce, in model order as the runtime's
+    :func:`chameleon.layout.colouring.sync_groups`; members are stage ids ``(j, s)``
     flattened to ints so two buckets conflict when they share a stage.
     """
     n_layers = plan.n_layers
@@ -141,28 +139,6 @@ def sync_rounds(plan: Plan) -> list[tuple[int, list[int], tuple[int, ...]]]:
     return buckets
 
 
-def colour_rounds(buckets: list[tuple[float, int, tuple[int, ...]]]) -> list[list[int]]:
-    """Greedy colouring of ``(params, first_unit, holders)`` buckets into rounds of disjoint groups.
-
-    Largest bucket first (ties by first model unit); each takes the first round
-    whose groups share no holder with it.
-    """
-    order = sorted(range(len(buckets)), key=lambda i: (-buckets[i][0], buckets[i][1]))
-    rounds: list[list[int]] = []
-    used: list[set[int]] = []
-    for i in order:
-        members = set(buckets[i][2])
-        for r, seen in enumerate(used):
-            if not seen & members:
-                rounds[r].append(i)
-                seen |= members
-                break
-        else:
-            rounds.append([i])
-            used.append(set(members))
-    return rounds
-
-
 def allreduce_time(profile: Profile, group_size: int, params: float) -> float:
     """Ring all-reduce of ``params`` gradient elements (per device) over ``group_size`` units."""
     if group_size < 2:
@@ -174,13 +150,17 @@ def allreduce_time(profile: Profile, group_size: int, params: float) -> float:
 def sync_time(profile: Profile, plan: Plan) -> tuple[float, int]:
     """Seconds and rounds of the coloured DP gradient sync of a plan."""
     buckets = [
-        (size, sum(unit_params(profile, plan.n_layers, u) for u in units), min(units), holders)
+        (size, sum(unit_params(profile, plan.n_layers, u) for u in units), holders)
         for size, units, holders in sync_rounds(plan)
         if size > 1
     ]
-    rounds = colour_rounds([(params, first, holders) for _, params, first, holders in buckets])
-    seconds = sum(max(allreduce_time(profile, buckets[i][0], buckets[i][1]) for i in r) for r in rounds)
-    return seconds, len(rounds)
+    colours = conflict_colours([holders for _, _, holders in buckets])
+    rounds = max(colours, default=-1) + 1
+    seconds = sum(
+        max(allreduce_time(profile, size, params) for (size, params, _), c in zip(buckets, colours) if c == r)
+        for r in range(rounds)
+    )
+    return seconds, rounds
 
 
 def optimizer_time(profile: Profile, plan: Plan) -> float:
@@ -201,8 +181,8 @@ def reroute_extra(profile: Profile, plan: Plan, *, slots: str = "max") -> float:
     stage, because extra slots on different stages run on different devices and
     overlap like the rest of the 1F1B steady state.
     """
-    if slots not in REROUTE_SLOTS:
-        raise ValueError(f"policy.reroute_slots={slots!r}: use max or sum")
+    if slots not in REROUTE_SLOTS[1:]:
+        raise ValueError(f"policy.reroute_slots={slots!r}: Eq. 13 takes max or sum")
     per_stage: dict[int, float] = {}
     for r in plan.reroutes:
         pipe = plan.pipelines[r.pipeline]
@@ -216,63 +196,121 @@ def reroute_extra(profile: Profile, plan: Plan, *, slots: str = "max") -> float:
 
 
 def cpu_share(profile: Profile, plan: Plan) -> float:
-    """``max(1, P/C)`` of the busiest node: the stretch when all ``P`` processes on ``C`` cores are busy.
+    """``max(1, (P + n)/C)`` of the busiest node: the stretch when its ``P`` processes are busy on ``C`` cores.
 
     CPU devices (``profile.host_cores`` > 0) are processes time-sharing their node's
-    cores; gradient sync and the optimizer step keep every process busy at once.
+    cores with each other and ``n = profile.background_procs`` busy processes of other
+    jobs; gradient sync and the optimizer step keep every process busy at once.
     """
     if not profile.host_cores or not plan.devices:
         return 1.0
     per_node = Counter(d // profile.devices_per_node for d in plan.devices)
-    return max(1.0, max(per_node.values()) / profile.host_cores)
+    return max(1.0, (max(per_node.values()) + profile.background_procs) / profile.host_cores)
 
 
-def shared_compute(profile: Profile, plan: Plan) -> float:
-    """The 1F1B phase of every pipeline at once when stage processes share their node's cores.
-
-    A processor-sharing simulation: each stage runs its ops in 1F1B order once their
-    inputs are done (as in :func:`pipeline_time`), and the ``n`` ops running on a node
-    with ``C`` cores each progress at ``min(1, C/n)``; a waiting process uses no core.
-    Equals the slowest :func:`pipeline_time` when no node has more busy stages than cores.
-    """
-    units = []  # (pipeline, stage, node, fwd, bwd, order)
+def _op_costs(profile: Profile, plan: Plan) -> dict[tuple[str, int, int], float]:
+    """Seconds of a forward (``"F"``) or backward (``"B"``) micro-batch of stage ``s`` of pipeline ``j``."""
+    out = {}
     for j, p in enumerate(plan.pipelines):
         fwd, bwd = _pipeline_costs(profile, p.stages)
-        for s, st in enumerate(p.stages):
-            node = st.devices[0] // profile.devices_per_node if st.devices else -1 - j
-            units.append((j, s, node, fwd[s], bwd[s], one_f_one_b_order(p.n_stages, s, p.micro_batches)))
-    done: dict[tuple[bool, int, int, int], float] = {}
+        for s in range(p.n_stages):
+            out["F", j, s], out["B", j, s] = fwd[s], bwd[s]
+    return out
+
+
+def _executors(profile: Profile, plan: Plan, *, merged: bool) -> list[tuple[int, int, list[Action]]]:
+    """``(node, processes, actions)`` of every TP mesh of the step.
+
+    ``merged``: the runtime's lists (:func:`chameleon.layout.schedule.step_actions`),
+    reroute hosts running the rerouted micro-batches between their own. Otherwise
+    every stage runs its own pipeline's 1F1B, a device-less one on a node of its own
+    (Eq. 12/13 then add the reroute hosts' extra slots).
+    """
+    if merged:
+        meshes: dict[int, tuple[int, list[Action]]] = {}
+        width: Counter = Counter()
+        for d, actions in step_actions(plan).items():
+            meshes.setdefault(id(actions), (d, actions))
+            width[id(actions)] += 1
+        return [(d // profile.devices_per_node, width[k], actions) for k, (d, actions) in meshes.items()]
+    return [
+        (st.devices[0] // profile.devices_per_node if st.devices else -1 - j, max(st.tp, 1),
+         one_f_one_b(pipeline=j, stage=s, n_stages=p.n_stages, n_micro=p.micro_batches))
+        for j, p in enumerate(plan.pipelines) for s, st in enumerate(p.stages)
+    ]
+
+
+def schedule_time(profile: Profile, plan: Plan) -> float:
+    """The longest path through the runtime's step schedule, every device on a core of its own.
+
+    Each device runs its :func:`~chameleon.layout.schedule.step_actions` list in
+    order, an op starting once its input is done; equals the slowest
+    :func:`pipeline_time` when nothing is rerouted.
+    """
+    cost, units = _op_costs(profile, plan), _executors(profile, plan, merged=True)
+    end: dict[Action, float] = {}
+    clock, pos = [0.0] * len(units), [0] * len(units)
+    remaining = sum(len(actions) for _, _, actions in units)
+    while remaining:
+        for u, (_, _, actions) in enumerate(units):
+            while pos[u] < len(actions):
+                action = actions[pos[u]]
+                dep = dependency(plan, action)
+                if dep is not None and dep not in end:
+                    break
+                clock[u] = end[action] = max(clock[u], end.get(dep, 0.0)) + cost[action.kind, action.pipeline, action.stage]
+                pos[u] += 1
+                remaining -= 1
+    return max(clock, default=0.0)
+
+
+def shared_compute(profile: Profile, plan: Plan, *, merged: bool = True) -> float:
+    """The 1F1B phase of every device at once when processes share their node's cores.
+
+    A processor-sharing simulation: each TP mesh runs its ops in order (see
+    :func:`_executors` for ``merged``) once their inputs are done, and while ``n``
+    processes on a node with ``C`` cores run ops, each progresses at
+    ``min(1, C/(n + background))`` (``profile.background_procs`` of other jobs); a
+    waiting process uses no core. Equals :func:`schedule_time` when no node has
+    more busy processes than cores.
+    """
+    cost, units = _op_costs(profile, plan), _executors(profile, plan, merged=merged)
+    done: set[Action] = set()
     pos = [0] * len(units)
     left: dict[int, float] = {}  # unit -> work left of its running op
     now = 0.0
     while True:
-        for u, (j, s, _, fwd, bwd, order) in enumerate(units):
-            if u in left or pos[u] == len(order):
+        for u, (_, _, actions) in enumerate(units):
+            if u in left or pos[u] == len(actions):
                 continue
-            is_b, m = order[pos[u]]
-            last = s == plan.pipelines[j].n_stages - 1
-            dep = (True, j, s + 1, m) if is_b and not last else (False, j, s, m) if is_b else (False, j, s - 1, m)
-            if (is_b or s) and dep not in done:
-                continue
-            left[u] = bwd if is_b else fwd
+            action = actions[pos[u]]
+            dep = dependency(plan, action)
+            if dep is None or dep in done:
+                left[u] = cost[action.kind, action.pipeline, action.stage]
         if not left:
             return now
-        busy = Counter(units[u][2] for u in left)
-        rate = {u: min(1.0, profile.host_cores / busy[units[u][2]]) for u in left}
+        busy: Counter = Counter()
+        for u in left:
+            busy[units[u][0]] += units[u][1]
+        rate = {u: min(1.0, profile.host_cores / (busy[units[u][0]] + profile.background_procs)) for u in left}
         step = min(left[u] / rate[u] for u in left)
         now += step
         for u in list(left):
             left[u] -= step * rate[u]
             if left[u] <= 1e-12 * max(1.0, now):
-                j, s, _, _, _, order = units[u]
-                is_b, m = order[pos[u]]
-                done[(is_b, j, s, m)] = now
+                done.add(units[u][2][pos[u]])
                 pos[u] += 1
                 del left[u]
 
 
-def estimate_step(profile: Profile, plan: Plan, *, reroute_slots: str = "max") -> StepEstimate:
-    """Estimated step time of ``plan`` (Eqs. 10–13 plus p2p, DP sync, optimizer and CPU sharing)."""
+def estimate_step(profile: Profile, plan: Plan, *, reroute_slots: str = "schedule") -> StepEstimate:
+    """Estimated step time of ``plan`` (Eqs. 10–13 plus p2p, DP sync, optimizer, the commit and CPU sharing).
+
+    ``reroute_slots=schedule`` times rerouted plans by the runtime's own schedule
+    (:func:`schedule_time`); ``max`` and ``sum`` add Eq. 12/13's extra slots instead.
+    """
+    if reroute_slots not in REROUTE_SLOTS:
+        raise ValueError(f"policy.reroute_slots={reroute_slots!r}: use schedule, max or sum")
     by_shape: dict[tuple[tuple[int, ...], int], float] = {}  # pipelines of one shape take the same time
     times = []
     for p in plan.pipelines:
@@ -280,15 +318,21 @@ def estimate_step(profile: Profile, plan: Plan, *, reroute_slots: str = "max") -
         if shape not in by_shape:
             by_shape[shape] = pipeline_time(*_pipeline_costs(profile, p.stages), p.micro_batches)
         times.append(by_shape[shape])
-    extra = reroute_extra(profile, plan, slots=reroute_slots)
+    merged = reroute_slots == "schedule"
+    if not plan.reroutes:
+        compute, extra = max(times), 0.0
+    elif merged:
+        compute, extra = schedule_time(profile, plan), 0.0
+    else:
+        compute, extra = max(times), reroute_extra(profile, plan, slots=reroute_slots)
     sync, rounds = sync_time(profile, plan)
     opt = optimizer_time(profile, plan)
-    compute = max(times)
+    fixed = profile.commit_s
     if not profile.host_cores:
-        return StepEstimate(compute + extra + sync + opt, compute, extra, sync, opt, rounds, tuple(times))
-    share, shared = cpu_share(profile, plan), shared_compute(profile, plan)
+        return StepEstimate(compute + extra + sync + opt + fixed, compute, extra, sync, opt, rounds, tuple(times))
+    share, shared = cpu_share(profile, plan), shared_compute(profile, plan, merged=merged)
     return StepEstimate(
-        shared + share * (extra + sync + opt), compute, extra, sync, opt, rounds, tuple(times), share, shared
+        shared + share * (extra + sync + opt) + fixed, compute, extra, sync, opt, rounds, tuple(times), share, shared
     )
 
 
@@ -298,19 +342,8 @@ def symmetric_step(n_stages: int, n_micro: int, fwd: float, bwd: float) -> float
 
 
 def memory_per_device(profile: Profile, plan: Plan) -> dict[int, float]:
-    """Eq. 14 per device; a reroute host also keeps activations for each pipeline it serves."""
-    served: dict[tuple[int, int], int] = {}
-    for r in plan.reroutes:
-        for h in set(r.hosts):
-            served[(h, r.stage)] = served.get((h, r.stage), 0) + 1
-    out = {}
-    for j, p in enumerate(plan.pipelines):
-        for s, st in enumerate(p.stages):
-            in_flight = min(p.n_stages - s, p.micro_batches) * (1 + served.get((j, s), 0))
-            mem = stage_memory(profile, st.n_layers, first=s == 0, last=s == p.n_stages - 1, in_flight=in_flight)
-            for d in st.devices:
-                out[d] = mem
-    return out
+    """Eq. 14 per device (:func:`chameleon.layout.memory.plan_memory` with the profile's costs)."""
+    return memory.plan_memory(profile.memory_costs, plan)
 
 
 def held_params(plan: Plan) -> dict[int, set[int]]:

@@ -43,6 +43,7 @@ from scipy.optimize import linprog
 
 from chameleon.decision import estimator as est
 from chameleon.decision.profiler import Profile
+from chameleon.layout.colouring import conflict_colours
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage
 
 _EPS = 1e-12
@@ -313,8 +314,9 @@ class Planner:
             params += self.profile.first_params if lo == 0 else 0
             params += self.profile.last_params if hi == n_layers else 0
             holders = tuple(i * n_layers + int(stages[lo]) for i, stages in enumerate(stage_of))
-            buckets.append((params, lo, holders))
-        return tuple(max(buckets[i][0] for i in r) for r in est.colour_rounds(buckets))
+            buckets.append((params, holders))
+        colours = conflict_colours([holders for _, holders in buckets])
+        return tuple(max(p for (p, _), c in zip(buckets, colours) if c == r) for r in range(max(colours) + 1))
 
     def _fixed(self, splits: tuple[Split, ...], k: int) -> float:
         """DP sync (coloured rounds over ``k`` pipelines) + optimizer step of a set of distinct splits."""

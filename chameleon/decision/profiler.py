@@ -17,6 +17,8 @@ import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 from chameleon.decision.config import ClusterConfig
+from chameleon.layout.memory import ELEMENT_BYTES, MOMENT_BYTES, MemoryCosts
 from chameleon.model import llama
 from chameleon.model.config import ModelConfig
 from chameleon.optim import adamw, init_moments
@@ -37,7 +40,8 @@ class Profile:
     Times are seconds per micro-batch; ``*_params`` are whole (unsharded) element
     counts; activation bytes are what autograd keeps per micro-batch until backward.
     Bandwidths are bytes/s. ``host_cores`` is set for CPU devices (worker processes),
-    which time-share their node's cores.
+    which time-share their node's cores with each other and with ``background_procs``
+    busy processes of other jobs. Compute times are CPU times: what an op costs on a core of its own.
     """
 
     key: str
@@ -73,10 +77,17 @@ class Profile:
     n_devices: int
     devices_per_node: int
     host_cores: float = 0.0  # CPU cores the devices of one node share; 0: each device computes on its own
+    background_procs: float = 0.0  # CPU-bound processes of other jobs on the node when profiled
+    commit_s: float = 0.0  # a step's commit round trip: one worker's message, a store key set, its wake-up
 
-    def state_bytes(self, params: int) -> float:
-        """Bytes per device of parameters, gradients and optimizer state for ``params`` elements."""
-        return params / self.tp * (2 * self.bytes_per_elem + self.optim_bytes_per_elem)
+    @property
+    def memory_costs(self) -> MemoryCosts:
+        """This profile's stage parts for :func:`chameleon.layout.memory.plan_memory` (layer activations made whole)."""
+        return MemoryCosts(
+            layer_params=self.layer_params, first_params=self.first_params, last_params=self.last_params,
+            layer_act_bytes=self.layer_act_bytes * self.tp, first_act_bytes=self.first_act_bytes,
+            last_act_bytes=self.last_act_bytes, state_bytes_per_param=2 * self.bytes_per_elem + self.optim_bytes_per_elem,
+        )
 
     def migrate_bytes(self, params: int) -> float:
         """Bytes a device must receive to take over ``params`` elements: weights + 2 AdamW moments."""
@@ -138,14 +149,6 @@ def with_tensor_parallel(profile: Profile, tp: int) -> Profile:
     )
 
 
-def _layer_params(model: ModelConfig) -> tuple[int, int, int]:
-    count = lambda names: llama.param_bytes(model, names, bytes_per_elem=1)  # noqa: E731
-    layer = count(llama.stage_param_names(model, (0, 1), first=False, last=False))
-    first = count(llama.stage_param_names(model, (0, 0), first=True, last=False))
-    last = count(llama.stage_param_names(model, (0, 0), first=False, last=True))
-    return layer, first, last
-
-
 def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, tp: int) -> Profile:
     """A profile from datasheet figures.
 
@@ -153,7 +156,7 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
     (``T`` tokens, ``s`` the context), backward twice that. Activations assume flash
     attention (no ``s×s`` scores kept) and bf16 tensors; the head keeps fp32 logits.
     """
-    layer_p, first_p, last_p = _layer_params(model)
+    layer_p, first_p, last_p = llama.unit_params(model)
     tokens = micro_batch * seq_len
     rate = cluster.peak_tflops * 1e12 * cluster.mfu * tp
     layer_fwd = (2 * layer_p * tokens + 2 * tokens * seq_len * model.dim) / rate
@@ -185,7 +188,7 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
         optim_bytes_per_elem=cluster.optim_bytes_per_elem,
         layer_act_bytes=act_elems * cluster.bytes_per_elem // tp,
         first_act_bytes=0,
-        last_act_bytes=tokens * model.vocab_size * 4 // tp,
+        last_act_bytes=tokens * model.vocab_size * ELEMENT_BYTES["fp32"],  # the head is replicated
         boundary_bytes=tokens * model.dim * cluster.bytes_per_elem,
         memory_bytes=cluster.memory_gb * 1e9,
         p2p_bw=cluster.intra_gbps * 1e9,
@@ -202,14 +205,14 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
 
 
 def _timed(fn, *, warmup: int = 2, reps: int = 5) -> float:
-    """The fastest of ``reps`` calls: time slices lost to other processes do not count."""
+    """The least CPU time of ``reps`` calls: time spent waiting for a core (others' jobs) does not count."""
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        samples.append(time.perf_counter() - start)
+        samples.append(time.process_time() - start)
     return min(samples)
 
 
@@ -234,9 +237,9 @@ def _fwd_bwd(model: ModelConfig, params: dict, x, targets, *, layers, first, las
     outs = [forward() for _ in range(7)]
     samples = []
     for o in outs:
-        start = time.perf_counter()
+        start = time.process_time()
         o.backward(grad)
-        samples.append(time.perf_counter() - start)
+        samples.append(time.process_time() - start)
     return fwd, min(samples[2:]), sum(saved.values())
 
 
@@ -261,7 +264,7 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
     layer_f, layer_b, layer_act = _fwd_bwd(model, params, hidden, None, layers=(0, 1), first=False, last=False)
     first_f, first_b, first_act = _fwd_bwd(model, params, tokens, None, layers=(0, 0), first=True, last=False)
     last_f, last_b, last_act = _fwd_bwd(model, params, hidden, tokens, layers=(1, 1), first=False, last=True)
-    layer_p, first_p, last_p = _layer_params(model)
+    layer_p, first_p, last_p = llama.unit_params(model)
     layer_names = llama.stage_param_names(model, (0, 1), first=False, last=False)
     layer = {n: params[n].detach() for n in layer_names}
     grads, moments = {n: torch.randn_like(t) for n, t in layer.items()}, init_moments(layer)
@@ -285,12 +288,12 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
         layer_params=layer_p,
         first_params=first_p,
         last_params=last_p,
-        bytes_per_elem=4,
-        optim_bytes_per_elem=8,
+        bytes_per_elem=ELEMENT_BYTES["fp32"],
+        optim_bytes_per_elem=MOMENT_BYTES,
         layer_act_bytes=layer_act,
         first_act_bytes=first_act,
         last_act_bytes=last_act,
-        boundary_bytes=micro_batch * seq_len * model.dim * 4,
+        boundary_bytes=micro_batch * seq_len * model.dim * ELEMENT_BYTES["fp32"],
         memory_bytes=memory,
         p2p_bw=comm["p2p_bw"],
         p2p_latency_s=comm["p2p_latency_s"],
@@ -303,7 +306,55 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
         n_devices=cluster.n_devices,
         devices_per_node=cluster.devices_per_node,
         host_cores=len(os.sched_getaffinity(0)),
+        background_procs=measure_background(len(os.sched_getaffinity(0))),
+        commit_s=comm["commit_s"],
     )
+
+
+_SPIN = (
+    "import time\n"
+    "wall, cpu = time.perf_counter(), time.process_time()\n"
+    "while time.perf_counter() - wall < {seconds}:\n"
+    "    pass\n"
+    "print((time.process_time() - cpu) / (time.perf_counter() - wall))\n"
+)
+
+
+def measure_background(cores: int, *, seconds: float = 0.5) -> float:
+    """How many CPU-bound processes of other jobs share the ``cores`` now: 0 on an idle host.
+
+    ``cores`` processes spin for ``seconds`` and report their CPU time over wall
+    time; a fair scheduler gives each ``s = C / (C + n)`` of a core when ``n`` other
+    processes are busy, so ``n = C/s − C``.
+    """
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _SPIN.format(seconds=seconds)], stdout=subprocess.PIPE, text=True)
+        for _ in range(cores)
+    ]
+    share = statistics.mean(float(p.communicate()[0]) for p in procs)
+    return max(0.0, cores / max(share, 1e-3) - cores)
+
+
+def _commit_round_trip(rank: int, port: int, *, reps: int) -> list[float]:
+    """Rank 1 (a worker) sets ``synced/i``; rank 0 (the controller) waits for it and sets ``commit/i``."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    times = []
+    for i in range(reps):
+        if rank == 0:
+            store.wait([f"synced/{i}"])
+            store.set(f"commit/{i}", "1")
+        else:
+            start = time.perf_counter()
+            store.set(f"synced/{i}", "1")
+            store.wait([f"commit/{i}"])
+            times.append(time.perf_counter() - start)
+    if rank == 0:
+        store.wait(["done"])  # the store lives in this process: keep it until the worker has its last key
+    else:
+        store.set("done", "1")
+    return times
 
 
 def _host_memory() -> float:
@@ -322,7 +373,9 @@ def measure_comm(*, n_procs: int = 3, small: int = 1 << 10, large: int = 1 << 22
     Returns:
         ``p2p_bw``/``p2p_latency_s`` from a small and a large send; ``allreduce_bw`` (bus
         bandwidth, i.e. for ``2(n−1)/n · bytes``) and ``allreduce_latency_s`` fitted over
-        group sizes 2..n_procs; ``group_create_s``, the mean ``new_group`` time.
+        group sizes 2..n_procs; ``group_create_s``, the mean ``new_group`` time;
+        ``commit_s``, the commit round trip as the runtime makes it (a worker sets a key
+        in the controller's store, the controller answers with another, the worker wakes).
     """
     import torch.multiprocessing as mp
 
@@ -331,13 +384,13 @@ def measure_comm(*, n_procs: int = 3, small: int = 1 << 10, large: int = 1 << 22
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "comm.json"
         mp.start_processes(
-            _comm_worker, args=(n_procs, _free_port(), small, large, str(out)), nprocs=n_procs,
+            _comm_worker, args=(n_procs, _free_port(), _free_port(), small, large, str(out)), nprocs=n_procs,
             start_method="spawn",
         )
         return json.loads(out.read_text())
 
 
-def _comm_worker(rank: int, world: int, port: int, small: int, large: int, out: str) -> None:
+def _comm_worker(rank: int, world: int, port: int, store_port: int, small: int, large: int, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -371,6 +424,10 @@ def _comm_worker(rank: int, world: int, port: int, small: int, large: int, out: 
                 for _ in range(reps):
                     dist.all_reduce(buf, group=group)
             fits.append((n, nbytes, (time.perf_counter() - start) / reps))
+    commit = _commit_round_trip(rank, store_port, reps=20) if rank < 2 else []
+    dist.barrier()
+    if rank == 1:
+        Path(out + ".commit").write_text(json.dumps(statistics.median(commit)))
     dist.barrier()
     if rank == 0:
         lat = statistics.mean(t for _, b, t in fits if b == small)
@@ -381,5 +438,6 @@ def _comm_worker(rank: int, world: int, port: int, small: int, large: int, out: 
             "allreduce_latency_s": lat,
             "allreduce_bw": statistics.median(bus),
             "group_create_s": statistics.mean(create),
+            "commit_s": json.loads(Path(out + ".commit").read_text()),
         }))
     dist.destroy_process_group()

@@ -87,13 +87,18 @@ def sync_rounds(layout: Layout) -> tuple[tuple[SyncGroup, ...], ...]:
     :func:`sync_groups` order, so process groups and collectives line up everywhere.
     """
     groups = sync_groups(layout)
-    by_device: dict[int, list[int]] = {}
-    for i, group in enumerate(groups):
-        for device in group.devices:
-            by_device.setdefault(device, []).append(i)
-    adjacency = [
-        {j for device in group.devices for j in by_device[device] if j != i} for i, group in enumerate(groups)
-    ]
-    colours = dsatur(adjacency)
+    colours = conflict_colours([g.devices for g in groups])
     n_rounds = max(colours, default=-1) + 1
     return tuple(tuple(g for g, c in zip(groups, colours) if c == r) for r in range(n_rounds))
+
+
+def conflict_colours(groups: Sequence[Collection[int]]) -> list[int]:
+    """:func:`dsatur` colours of groups (sets of members, in priority order) that conflict when they share one.
+
+    The runtime colours its sync groups with it, and the estimator the same groups of a plan.
+    """
+    by_member: dict[int, list[int]] = {}
+    for i, members in enumerate(groups):
+        for m in members:
+            by_member.setdefault(m, []).append(i)
+    return dsatur([{j for m in members for j in by_member[m] if j != i} for i, members in enumerate(groups)])

@@ -1,11 +1,9 @@
 """Re-layout: the moves that turn what the survivors hold into what a new plan needs.
 
-The planner produces a new plan over *logical* slots. :func:`assign_survivors`
-puts each slot on a surviving device so that the bytes of state (parameter plus
-AdamW moments) to fetch are minimal — the paper's Fig. 3, a min-cost assignment
-solved by ``scipy.optimize.linear_sum_assignment`` — and :func:`relabel_plan`
-rewrites the plan onto those devices. :func:`relayout` then lists, for every
-region a device needs, where it comes from:
+The planner places a new plan's stages on surviving devices so that the state
+to fetch is minimal (the paper's Fig. 3, ``chameleon.decision.planner.place``);
+:func:`relabel_plan` rewrites a plan onto other devices. :func:`relayout` then
+lists, for every region a device needs, where it comes from:
 
 - Each needed region is cut along the shard boundaries of the surviving holders,
   so with a TP change a shard is assembled from every source shard it intersects.
@@ -28,29 +26,17 @@ import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-import numpy as np
-from scipy.optimize import linear_sum_assignment
-
 from chameleon.layout.colouring import dsatur
+from chameleon.layout.memory import MIGRATE_BYTES
 from chameleon.layout.plan import Plan, validate_plan
 from chameleon.layout.spec import (
-    TP_RULES,
     Layout,
     Region,
-    Rules,
-    StageNames,
     contains,
     device_holdings,
     intersect,
-    layout_of,
     region_numel,
 )
-
-STATE_BYTES_PER_ELEMENT = 12
-"""Bytes per parameter element that travel: the fp32 value and AdamW's fp32 exp_avg and exp_avg_sq."""
-
-Holdings = Mapping[int, Mapping[str, Region]]
-
 
 class LostStateError(RuntimeError):
     """No survivor holds some region the new layout needs: only a checkpoint can restore it."""
@@ -116,70 +102,6 @@ class Manifest:
         return tuple(out)
 
 
-def missing_bytes(
-    held: Mapping[str, Region], needed: Mapping[str, Region], *, bytes_per_element: int = STATE_BYTES_PER_ELEMENT
-) -> int:
-    """Bytes of ``needed`` that ``held`` lacks."""
-    missing = 0
-    for name, need in needed.items():
-        common = intersect(need, held[name]) if name in held else None
-        missing += region_numel(need) - (region_numel(common) if common else 0)
-    return missing * bytes_per_element
-
-
-def cost_matrix(
-    old_holdings: Holdings,
-    survivors: Iterable[int],
-    slot_needs: Holdings,
-    *,
-    bytes_per_element: int = STATE_BYTES_PER_ELEMENT,
-) -> np.ndarray:
-    """Missing bytes of every survivor (rows, given order) for every slot (columns, sorted).
-
-    Survivors with identical holdings and slots with identical needs share one
-    computation, so large clusters cost (stage kinds)², not devices².
-    """
-    rows = [frozenset(old_holdings.get(d, {}).items()) for d in survivors]
-    cols = [frozenset(slot_needs[s].items()) for s in sorted(slot_needs)]
-    row_kinds, row_index = _classes(rows)
-    col_kinds, col_index = _classes(cols)
-    kind_costs = np.array(
-        [[missing_bytes(dict(r), dict(c), bytes_per_element=bytes_per_element) for c in col_kinds] for r in row_kinds],
-        dtype=np.int64,
-    ).reshape(len(row_kinds), len(col_kinds))
-    return kind_costs[np.ix_(row_index, col_index)]
-
-
-def assign_survivors(
-    old_holdings: Holdings,
-    survivors: Iterable[int],
-    slot_needs: Holdings,
-    *,
-    bytes_per_element: int = STATE_BYTES_PER_ELEMENT,
-) -> dict[int, int]:
-    """Put every slot on a distinct survivor so that the total missing bytes are minimal.
-
-    Args:
-        old_holdings: regions each device holds now (dead devices are ignored).
-        survivors: live devices, including incoming empty ones.
-        slot_needs: regions each logical slot of the new plan needs.
-        bytes_per_element: bytes moved per tensor element.
-
-    Returns:
-        ``{slot: device}``.
-
-    Raises:
-        ValueError: more slots than survivors.
-    """
-    devices = sorted(survivors)
-    slots = sorted(slot_needs)
-    if len(slots) > len(devices):
-        raise ValueError(f"the new plan has {len(slots)} slots but only {len(devices)} devices survive")
-    cost = cost_matrix(old_holdings, devices, slot_needs, bytes_per_element=bytes_per_element)
-    rows, cols = linear_sum_assignment(cost)
-    return {slots[c]: devices[r] for r, c in zip(rows, cols)}
-
-
 def relabel_plan(plan: Plan, mapping: Mapping[int, int]) -> Plan:
     """The plan with every stage device ``d`` replaced by ``mapping[d]``."""
     pipelines = tuple(
@@ -196,7 +118,7 @@ def relayout(
     new_layout: Layout,
     *,
     survivors: Iterable[int],
-    bytes_per_element: int = STATE_BYTES_PER_ELEMENT,
+    bytes_per_element: int = MIGRATE_BYTES,
 ) -> Manifest:
     """The manifest that builds ``new_layout`` from what the survivors hold in ``old_layout``.
 
@@ -235,38 +157,6 @@ def relayout(
         before=before,
         after=after,
     )
-
-
-def place_plan(
-    old_layout: Layout,
-    slot_plan: Plan,
-    *,
-    survivors: Iterable[int],
-    shapes: Mapping[str, tuple[int, ...]],
-    stage_names: StageNames,
-    rules: Rules = TP_RULES,
-    bytes_per_element: int = STATE_BYTES_PER_ELEMENT,
-) -> tuple[Plan, Layout, Manifest]:
-    """Place a plan given in logical slots on the survivors and list the moves to get there.
-
-    Returns:
-        The plan on physical devices, its layout, and the manifest from ``old_layout``.
-    """
-    alive = tuple(survivors)
-    slot_needs = device_holdings(layout_of(slot_plan, shapes, stage_names, rules=rules))
-    mapping = assign_survivors(
-        device_holdings(old_layout), alive, slot_needs, bytes_per_element=bytes_per_element
-    )
-    plan = relabel_plan(slot_plan, mapping)
-    new_layout = layout_of(plan, shapes, stage_names, rules=rules)
-    return plan, new_layout, relayout(old_layout, new_layout, survivors=alive, bytes_per_element=bytes_per_element)
-
-
-def _classes(items: list[frozenset]) -> tuple[list[frozenset], list[int]]:
-    """Distinct items in first-seen order, and each item's index among them."""
-    index: dict[frozenset, int] = {}
-    positions = [index.setdefault(item, len(index)) for item in items]
-    return list(index), positions
 
 
 def _pieces(

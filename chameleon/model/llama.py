@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from chameleon.layout.memory import ELEMENT_BYTES, MemoryCosts, state_bytes_per_param
 from chameleon.model.config import ModelConfig
 
 INIT_STD = 0.02
@@ -177,6 +178,33 @@ def param_bytes(
     shapes = param_shapes(cfg)
     selected = shapes if names is None else names
     return bytes_per_elem * sum(math.prod(shapes[n]) for n in selected)
+
+
+def unit_params(cfg: ModelConfig) -> tuple[int, int, int]:
+    """Parameter counts of one transformer layer, the embedding (first stage) and the head (last stage)."""
+    count = lambda names: param_bytes(cfg, names, bytes_per_elem=1)  # noqa: E731
+    layer = count(stage_param_names(cfg, (0, 1), first=False, last=False))
+    first = count(stage_param_names(cfg, (0, 0), first=True, last=False))
+    last = count(stage_param_names(cfg, (0, 0), first=False, last=True))
+    return layer, first, last
+
+
+def memory_costs(cfg: ModelConfig, *, micro_batch: int, seq_len: int, dtype: str = "fp32") -> MemoryCosts:
+    """Memory of a stage's parts, counted from the shapes, with ``train.dtype`` activations.
+
+    A block keeps the inputs of its norms, q/k/v/o and SwiGLU branches and the
+    attention probabilities of the math SDPA path (``heads · seq²``); the head keeps
+    its normed input and logits in ``dtype`` and the fp32 log-probabilities.
+    """
+    layer, first, last = unit_params(cfg)
+    tokens, elem = micro_batch * seq_len, ELEMENT_BYTES[dtype]
+    per_token = 8 * cfg.dim + 2 * cfg.n_kv_heads * cfg.head_dim + 3 * cfg.ffn_hidden_dim
+    return MemoryCosts(
+        layer_params=layer, first_params=first, last_params=last,
+        layer_act_bytes=elem * (tokens * per_token + micro_batch * cfg.n_heads * seq_len * seq_len),
+        first_act_bytes=0, last_act_bytes=tokens * (elem * (cfg.dim + cfg.vocab_size) + ELEMENT_BYTES["fp32"] * cfg.vocab_size),
+        state_bytes_per_param=state_bytes_per_param(dtype),
+    )
 
 
 def _init_std(cfg: ModelConfig, name: str) -> float | None:

@@ -1,17 +1,7 @@
-"""1F1B pipeline schedules as explicit action lists, and the executor that runs one step.
+"""The executor that runs one step of a plan's 1F1B action lists (:mod:`chameleon.layout.schedule`).
 
-:func:`one_f_one_b` gives one stage's order (warm-up forwards, alternating
-forward/backward, cool-down backwards). :func:`step_actions` gives every device's
-list for a whole plan — pipelines of different lengths and micro-batch counts, and
-rerouted stages whose micro-batches run on same-stage peers of other pipelines.
-
-A device may then serve several pipelines (its own and, as a reroute host, a
-peer's). Its list merges one queue per pipeline, each in that pipeline's 1F1B
-order, by simulating the step: every device's merged order is then a sub-order
-of one global topological order of the step's dependency graph, so with
-non-blocking sends no device can wait on another in a cycle. Messages carry a tag
-per (pipeline, sending stage, direction), so a pair of devices exchanging several
-kinds of traffic can never mismatch them.
+Messages carry a tag per (pipeline, sending stage, direction), so a pair of
+devices exchanging several kinds of traffic can never mismatch them.
 """
 
 from __future__ import annotations
@@ -25,6 +15,7 @@ import torch
 from chameleon.data.stream import SampleStream, micro_batch_samples
 from chameleon.layout.colouring import SyncGroup
 from chameleon.layout.plan import Plan, micro_batch_ranges
+from chameleon.layout.schedule import Action, executors
 from chameleon.layout.spec import Region
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import TensorParallelOps, stage_forward
@@ -33,84 +24,6 @@ from chameleon.runtime.stage import StageState
 
 SyncRounds = tuple[tuple[SyncGroup, ...], ...]
 MAX_STAGES = 1 << 12
-FORWARD_COST, BACKWARD_COST = 1, 2  # relative durations used to merge queues
-
-
-@dataclass(frozen=True)
-class Action:
-    """Forward (``"F"``) or backward (``"B"``) of micro-batch ``micro`` (within its pipeline) on a stage."""
-
-    kind: str
-    pipeline: int
-    stage: int
-    micro: int
-
-
-def one_f_one_b(*, pipeline: int, stage: int, n_stages: int, n_micro: int) -> list[Action]:
-    """1F1B order for one stage: ``n_stages − stage − 1`` warm-up forwards, then F/B pairs, then cool-down."""
-    warmup = min(n_stages - stage - 1, n_micro)
-    actions = [Action("F", pipeline, stage, i) for i in range(warmup)]
-    for i in range(n_micro - warmup):
-        actions.append(Action("F", pipeline, stage, warmup + i))
-        actions.append(Action("B", pipeline, stage, i))
-    actions.extend(Action("B", pipeline, stage, i) for i in range(n_micro - warmup, n_micro))
-    return actions
-
-
-def executors(plan: Plan, pipeline: int, stage: int, micro: int) -> tuple[int, ...]:
-    """The devices (TP mesh) that run micro-batch ``micro`` of ``pipeline`` at ``stage``."""
-    devices = plan.pipelines[pipeline].stages[stage].devices
-    if devices:
-        return devices
-    reroute = next(r for r in plan.reroutes if (r.pipeline, r.stage) == (pipeline, stage))
-    return plan.pipelines[reroute.hosts[micro % len(reroute.hosts)]].stages[stage].devices
-
-
-def _dependency(plan: Plan, action: Action) -> Action | None:
-    n_stages = plan.pipelines[action.pipeline].n_stages
-    if action.kind == "F":
-        return Action("F", action.pipeline, action.stage - 1, action.micro) if action.stage > 0 else None
-    if action.stage == n_stages - 1:
-        return Action("F", action.pipeline, action.stage, action.micro)
-    return Action("B", action.pipeline, action.stage + 1, action.micro)
-
-
-def step_actions(plan: Plan) -> dict[int, list[Action]]:
-    """Every device's action list for one step of ``plan`` (TP ranks of a stage share a list)."""
-    queues: dict[tuple[int, ...], dict[int, list[Action]]] = {}
-    for j, pipe in enumerate(plan.pipelines):
-        for s in range(pipe.n_stages):
-            for action in one_f_one_b(pipeline=j, stage=s, n_stages=pipe.n_stages, n_micro=pipe.micro_batches):
-                mesh = executors(plan, j, s, action.micro)
-                queues.setdefault(mesh, {}).setdefault(j, []).append(action)
-    finished: dict[Action, float] = {}
-    clock = dict.fromkeys(queues, 0.0)
-    order: dict[tuple[int, ...], list[Action]] = {mesh: [] for mesh in queues}
-    remaining = sum(len(q) for per in queues.values() for q in per.values())
-    while remaining:
-        progressed = False
-        for mesh, per_pipeline in queues.items():
-            ready = []
-            for j, queue in sorted(per_pipeline.items(), key=lambda kv: (mesh not in _own(plan, kv[0]), kv[0])):
-                if queue:
-                    dep = _dependency(plan, queue[0])
-                    if dep is None or dep in finished:
-                        ready.append((max(clock[mesh], finished.get(dep, 0.0)), len(ready), j))
-            if not ready:
-                continue
-            start, _, j = min(ready)
-            action = per_pipeline[j].pop(0)
-            clock[mesh] = finished[action] = start + (FORWARD_COST if action.kind == "F" else BACKWARD_COST)
-            order[mesh].append(action)
-            remaining -= 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError("the step's schedule has a dependency cycle; the plan is invalid")
-    return {device: actions for mesh, actions in order.items() for device in mesh}
-
-
-def _own(plan: Plan, pipeline: int) -> set[tuple[int, ...]]:
-    return {stage.devices for stage in plan.pipelines[pipeline].stages}
 
 
 def message_tag(pipeline: int, sender_stage: int, backward: bool) -> int:

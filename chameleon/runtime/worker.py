@@ -37,6 +37,7 @@ from chameleon.data.stream import SampleStream
 from chameleon.layout.colouring import sync_rounds
 from chameleon.layout.plan import Plan
 from chameleon.layout.relayout import Manifest
+from chameleon.layout.schedule import step_actions
 from chameleon.layout.spec import layout_of
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import MegatronTP, param_shapes, stage_param_names
@@ -47,7 +48,7 @@ from chameleon.runtime.device import is_device_fault, prepare_device
 from chameleon.runtime.faults import NODE_KINDS, FaultSpec, WorkerFaults, node_firer, typical
 from chameleon.runtime.errors import ControllerLost
 from chameleon.runtime.messages import CheckpointSaved, Done, Dying, Failed, FinalShards, Left, Ready, Standby, Synced
-from chameleon.runtime.schedule import run_step, step_actions
+from chameleon.runtime.schedule import run_step
 from chameleon.runtime.stage import StageState, role_of, stage_regions
 from chameleon.runtime.transfer import execute_manifest
 
