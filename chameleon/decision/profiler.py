@@ -77,7 +77,9 @@ class Profile:
     n_devices: int
     devices_per_node: int
     host_cores: float = 0.0  # CPU cores the devices of one node share; 0: each device computes on its own
-    background_procs: float = 0.0  # CPU-bound processes of other jobs on the node when profiled
+    # CPU-bound processes of other jobs on the node: a transient, never cached; the profile keeps 0 and a
+    # caller that measured it now (measure_background) sets it for its own estimates.
+    background_procs: float = 0.0
     commit_s: float = 0.0  # a step's commit round trip: one worker's message, a store key set, its wake-up
 
     @property
@@ -97,13 +99,16 @@ class Profile:
         return asdict(self)
 
 
+PROFILE_FORMAT = 2  # bumped whenever what a profile measures changes, so older cached profiles are measured anew
+
+
 def profile_key(model: ModelConfig, *, micro_batch: int, seq_len: int, tp: int, device: str) -> str:
-    """The cache key: model shape, micro-batch, sequence length, device and torch version."""
+    """The cache key: the profile format, model shape, micro-batch, sequence length, device and torch version."""
     shape = (
         f"d{model.dim}-L{model.n_layers}-h{model.n_heads}-kv{model.n_kv_heads}-v{model.vocab_size}"
         f"-f{model.ffn_hidden_dim}"
     )
-    return f"{shape}_mb{micro_batch}_s{seq_len}_tp{tp}_{device}_torch{torch.__version__}"
+    return f"v{PROFILE_FORMAT}_{shape}_mb{micro_batch}_s{seq_len}_tp{tp}_{device}_torch{torch.__version__}"
 
 
 def load_profile(
@@ -306,7 +311,6 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
         n_devices=cluster.n_devices,
         devices_per_node=cluster.devices_per_node,
         host_cores=len(os.sched_getaffinity(0)),
-        background_procs=measure_background(len(os.sched_getaffinity(0))),
         commit_s=comm["commit_s"],
     )
 
