@@ -78,6 +78,77 @@ def llama3(seeds: int, days: float) -> tuple[dict[str, list[float]], dict[str, f
     return shares, own, faults, setup.mtbf_s
 
 
+FIXED = ("dynamic", "reroute", "checkpoint")  # one recovery strategy, always
+RISK_POLICIES = ("chameleon", "oracle", *FIXED)
+RECIPES = {"default": (), "llama7b": ("+recipe=llama7b", "cluster=ascend910b_32", "sim.initial=planner")}
+SWEEP_RATES = {"6 h": 21600, "1 h": 3600, "10 min": 600}
+
+
+def risk_traces(recipe: str, rates: dict[str, int]) -> dict[str, tuple[str, ...]]:
+    """The goal's sweep for one recipe: Oobleck-style removals (a card, and for llama7b a node of 8) at each rate,
+    without and with returns 2 h later, and Poisson faults (about 10 a day on the cluster, back after 4 h)."""
+    sizes = (1, 8) if recipe == "llama7b" else (1,)
+    traces = {}
+    for size in sizes:
+        for label, interval in rates.items():
+            for repair in ("null", REPAIR_H):
+                what = "card" if size == 1 else f"node of {size}"
+                back = "never back" if repair == "null" else f"back after {repair:g} h"
+                traces[f"a {what} every {label}, {back}"] = (
+                    "trace=oobleck", f"trace.interval_s={interval}", f"trace.repair_h={repair}", f"trace.node_size={size}",
+                    f"sim.horizon_h={16 * interval / 3600}")
+    devices = 32 if recipe == "llama7b" else 4
+    traces["Poisson, ~10 faults a day"] = ("trace=poisson", f"trace.device_mtbf_h={devices * 24 / 10:g}", "trace.repair_h=4",
+                                           "sim.horizon_h=24")
+    return traces
+
+
+def risk_sweep(rates: dict[str, int]) -> list[dict]:
+    """Chameleon, the oracle and the fixed strategies on every trace of the goal's sweep, one row per trace."""
+    rows = []
+    for recipe, base in RECIPES.items():
+        for label, overrides in risk_traces(recipe, rates).items():
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+                cfg = compose(config_name="config", overrides=[*base, "sim.progress=false", *overrides])
+            setup, events, horizon, _ = prepare(cfg)
+            runs = {p: simulate(setup, p, events, horizon_s=horizon) for p in RISK_POLICIES}
+            rows.append({"recipe": recipe, "trace": label, "overrides": " ".join(overrides), "runs": runs,
+                         "avoidable_halts": [p for p, r in runs.items() if _avoidable_halt(r)]})
+    return rows
+
+
+def _avoidable_halt(run: RunResult) -> bool:
+    """The run stopped while devices were left (a checkpoint reload onto them would have gone on)."""
+    return run.halted_at is not None and any(r["choice"] == "halt" and r["devices_left"] > 0 for r in run.recoveries)
+
+
+def risk_table(rows: list[dict]) -> str:
+    out = ["| recipe | trace | chameleon | oracle | best fixed | ÷ best fixed | ÷ oracle | halts a checkpoint could save |",
+           "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        runs = row["runs"]
+        cham, oracle = runs["chameleon"].throughput, runs["oracle"].throughput
+        fixed = max(FIXED, key=lambda p: runs[p].throughput)
+        out.append(f"| {row['recipe']} | {row['trace']} | {cham:.3f} | {oracle:.3f} | {fixed} {runs[fixed].throughput:.3f} | "
+                   f"{cham / runs[fixed].throughput:.3f} | {cham / oracle:.3f} | {', '.join(row['avoidable_halts']) or 'none'} |")
+    return "\n".join(out)
+
+
+def risk_goal(rows: list[dict]) -> str:
+    """Which traces miss the goal (≥ the best fixed strategy, ≥ 0.98 of the oracle, no avoidable halt), and by what."""
+    misses = []
+    for row in rows:
+        runs = row["runs"]
+        cham = runs["chameleon"].throughput
+        fixed = max(runs[p].throughput for p in FIXED)
+        why = [f"{cham / fixed:.3f} of the best fixed" for _ in [0] if cham < fixed * (1 - 1e-9)]
+        why += [f"{cham / runs['oracle'].throughput:.3f} of the oracle" for _ in [0] if cham < 0.98 * runs["oracle"].throughput]
+        why += [f"{p} halted while devices were left" for p in row["avoidable_halts"] if p == "chameleon"]
+        if why:
+            misses.append(f"{row['recipe']}, {row['trace']}: {'; '.join(why)}")
+    return "met on every trace" if not misses else "missed on " + "; ".join(misses)
+
+
 def first_fault(run: RunResult) -> float:
     return next(r["post_over_reference"] for r in run.recoveries if r["kind"] == "fault")
 

@@ -116,7 +116,7 @@ def prepare(cfg: DictConfig) -> tuple[Setup, tuple[Event, ...], float, SimConfig
     n_micro = cfg.train.global_batch // cfg.train.micro_batch
     reference = reference_plan(planning, units, n_micro=n_micro, micro_batch_size=cfg.train.micro_batch, idle=sim.reference_idle)
     if sim.initial == "planner":
-        plan = planning.best(units, n_micro=n_micro, micro_batch_size=cfg.train.micro_batch) or reference
+        plan = reference
     else:
         plan = _recipe_plan(cfg, sim, cluster)
     horizon_s = sim.horizon_h * 3600

@@ -329,18 +329,20 @@ def candidates(
     precomputed: Plan | None = None,
     in_process: bool = False,
     fallback: Fallback | None = None,
+    spares: list[tuple[int, ...]] = (),
 ) -> list[Candidate]:
     """Every recovery candidate for ``failed`` devices of ``plan``, feasible or not (with why).
 
     ``in_process``: survivors reload a checkpoint without restarting (Chameleon's
     runtime), so that candidate pays a group rebuild instead of a job restart.
     ``fallback``: what the next fault would cost (its checkpoint age and in-process
-    flag are taken from the arguments above).
+    flag are taken from the arguments above). ``spares``: live stage units
+    ``plan`` leaves idle, which a re-plan or a reload may use.
     """
     fallback = replace(fallback or Fallback(), checkpoint_age_s=checkpoint_age_s, in_process=in_process)
     gaps = _uncovered_layers(plan, failed)
     common = dict(global_batch=plan.global_batch, d_s=d_s, slots=slots, fallback=fallback)
-    units = stage_units(plan, failed)
+    units = stage_units(plan, failed) + list(spares)
     options = (lambda: replans(planner, units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size,
                                previous=plan, precomputed=precomputed)) if units else list
     builders = {
@@ -416,13 +418,15 @@ def decide(
     domains: tuple[tuple[int, ...], ...] | None = None,
     precomputed: Plan | None = None,
     in_process: bool = False,
+    spares: list[tuple[int, ...]] = (),
 ) -> Decision:
     """Weigh every candidate by Eq. 8 and the next fault's cost, and choose; a forced ``policy.name`` restricts the choice.
 
     ``checkpoint_interval_s`` (seconds between checkpoints, None: none scheduled)
     and ``domains`` (devices that fail together, None: each alone) feed the next
-    fault's cost (:class:`Fallback`). A forced policy that is infeasible falls back
-    to the best feasible candidate, and the note says so.
+    fault's cost (:class:`Fallback`); ``spares`` are live stage units ``plan``
+    leaves idle. A forced policy that is infeasible falls back to the best
+    feasible candidate, and the note says so.
     """
     if policy.name not in POLICIES + ("chameleon",):
         raise ValueError(f"policy.name={policy.name!r}: use chameleon, {', '.join(POLICIES)}")
@@ -431,6 +435,7 @@ def decide(
     cands = candidates(
         profile, plan, failed, planner=planner, d_s=d_s, slots=policy.reroute_slots,
         checkpoint_age_s=checkpoint_age_s, precomputed=precomputed, in_process=in_process, fallback=fallback,
+        spares=spares,
     )
     feasible = [c for c in cands if c.feasible]
     note = ""

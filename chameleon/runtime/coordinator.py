@@ -88,7 +88,8 @@ class Coordinator:
         failed = set(resident.devices) - alive
         decision = decide(
             self.profile, resident, failed, policy=self.policy, planner=self.planner, precomputed=precomputed,
-            fault_times=fault_times, elapsed_s=elapsed_s, **self._fallback(resident, saved, now),
+            fault_times=fault_times, elapsed_s=elapsed_s, spares=_units(resident, alive - set(resident.devices)),
+            **self._fallback(resident, saved, now),
         )
         chosen = decision.chosen
         if chosen is None:
@@ -112,9 +113,7 @@ class Coordinator:
 
         Its ``resume_step`` is left to the caller: the step after the commit it switches at.
         """
-        tp = max(st.tp for p in resident.pipelines for st in p.stages if st.devices)
-        ordered = sorted(joining)
-        units = [tuple(ordered[i:i + tp]) for i in range(0, len(ordered) - len(ordered) % tp, tp)]
+        units = _units(resident, joining | (alive - set(resident.devices)))
         decision = decide_growth(self.profile, resident, units, policy=self.policy, planner=self.planner,
                                  fault_times=fault_times, elapsed_s=elapsed_s, **self._fallback(resident, saved, now))
         if decision.choice != "grow":
@@ -127,3 +126,10 @@ class Coordinator:
     def _transition(self, decision, plan, members, resume_step, manifest, checkpoint) -> Transition:
         return Transition(decision, plan, tuple(sorted(members)), resume_step, manifest, checkpoint,
                           self.step_estimate(plan))
+
+
+def _units(plan: Plan, devices: set[int]) -> list[tuple[int, ...]]:
+    """``devices`` as stage units of ``plan``'s TP width, in id order (a partial group is left out)."""
+    tp = max(st.tp for p in plan.pipelines for st in p.stages if st.devices)
+    ordered = sorted(devices)
+    return [tuple(ordered[i:i + tp]) for i in range(0, len(ordered) - len(ordered) % tp, tp)]

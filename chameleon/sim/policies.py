@@ -215,13 +215,14 @@ class ChameleonPolicy(Policy):
 
     def on_fault(self, plan: Plan, fault: Fault) -> Response:
         failed = set(fault.failed)
-        units = stage_units(plan, failed)
+        spares = self._spares(plan, fault.dead)
+        units = stage_units(plan, failed) + spares
         pre = self.planning.best(units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size, previous=plan) if units else None
         decision = decide(
             self.planning.profile, plan, failed, policy=self._config(fault.next_fault_s), planner=self.planning.planner,
             fault_times=list(fault.fault_times), elapsed_s=fault.now_s, precomputed=pre,
             checkpoint_age_s=fault.checkpoint_age_s, checkpoint_interval_s=fault.checkpoint_interval_s,
-            domains=self._domains(fault.dead), in_process=True,
+            domains=self._domains(fault.dead), in_process=True, spares=spares,
         )
         chosen = decision.chosen
         if chosen is None:
@@ -229,6 +230,10 @@ class ChameleonPolicy(Policy):
         reload = chosen.name == "checkpoint"  # the engine discards the rolled-back progress itself
         pause = chosen.transition - chosen.transition_parts.get("lost_progress", 0.0)
         return Response(chosen.plan, pause, chosen.t_step, chosen.name, decision.d_s, rollback=reload)
+
+    def _spares(self, plan: Plan, dead) -> Units:
+        """Live devices ``plan`` leaves idle, as stage units."""
+        return units_of(set(range(self.setup.n_devices)) - set(dead) - set(plan.devices), _tp_of(plan))
 
     def _domains(self, dead) -> tuple[tuple[int, ...], ...] | None:
         """The live devices of each fault domain of the setup (None: every device alone)."""
@@ -238,7 +243,7 @@ class ChameleonPolicy(Policy):
 
     def on_rejoin(self, plan: Plan, rejoin: Rejoin) -> Response | None:
         """Refill rerouted stages with returned units, else grow onto all of them when the selector says it pays."""
-        spares = units_of(set(range(self.setup.n_devices)) - rejoin.dead - set(plan.devices), _tp_of(plan))
+        spares = self._spares(plan, rejoin.dead)
         new = refill_rerouted(plan, spares)[0]
         if new is None and self.name != "reroute":
             policy = replace(self._config(rejoin.next_fault_s), name="chameleon")  # forced ones grow only when it pays too
