@@ -264,6 +264,7 @@ def takeover_plan(profile: Profile, plan: Plan, failed: set[int]) -> Plan:
 
 
 IDLE_OPTIONS = 4  # re-planning also weighs the best plans on up to this many fewer stage units
+IDLE_UNITS = 256  # ... on clusters of at most this many: beyond, a unit is under 0.4 % of the work
 
 
 def _finish(name: str, profile: Profile, plan: Plan, parts: dict[str, float], *, global_batch: int, d_s: float, slots: str,
@@ -292,14 +293,17 @@ def _best(options: list[Candidate]) -> Candidate:
 
 
 def replans(planner: Planner, units: list[tuple[int, ...]], *, n_micro: int, micro_batch_size: int,
-            previous: Plan | None, precomputed: Plan | None = None) -> list[tuple[Plan, float]]:
+            previous: Plan | None, precomputed: Plan | None = None,
+            domains: tuple[tuple[int, ...], ...] | None = None) -> list[tuple[Plan, float]]:
     """The plans a re-plan onto ``units`` weighs, each with its search time.
 
     The planner's best (``precomputed`` when given), placed to move the least
-    state from ``previous``; its best on up to :data:`IDLE_OPTIONS` fewer units
-    (the last ones idle), so more devices never mean a slower plan; and its best
-    with every layer on two pipelines, placed, and laid out in device order (each
-    pipeline on neighbouring devices, so a node's fault takes as few as it can).
+    state from ``previous``; on at most :data:`IDLE_UNITS` units, its best on up to
+    :data:`IDLE_OPTIONS` fewer (the last ones idle), so more devices never mean a
+    slower plan; and, when the best leaves some layer exposed to a fault of one of
+    ``domains`` (:func:`exposure`), its best with every layer on two pipelines,
+    placed, and laid out in device order (each pipeline on neighbouring devices,
+    so a node's fault takes as few as it can).
     """
     def best(p: Planner, us: list[tuple[int, ...]], prev: Plan | None) -> list[tuple[Plan, float]]:
         try:
@@ -310,9 +314,10 @@ def replans(planner: Planner, units: list[tuple[int, ...]], *, n_micro: int, mic
 
     out = [(precomputed, 0.0)] if precomputed is not None else best(planner, units, previous)
     ordered = sorted(units)
-    for k in range(1, min(IDLE_OPTIONS, len(units) - 1) + 1):
-        out += best(planner, ordered[:-k], previous)
-    if len(units) > 1:
+    if len(units) <= IDLE_UNITS:
+        for k in range(1, min(IDLE_OPTIONS, len(units) - 1) + 1):
+            out += best(planner, ordered[:-k], previous)
+    if len(units) > 1 and (not out or exposure(out[0][0], domains) > 0):
         out += best(planner.replicated, units, previous) + best(planner.replicated, ordered, None)
     return out
 
@@ -344,7 +349,7 @@ def candidates(
     common = dict(global_batch=plan.global_batch, d_s=d_s, slots=slots, fallback=fallback)
     units = stage_units(plan, failed) + list(spares)
     options = (lambda: replans(planner, units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size,
-                               previous=plan, precomputed=precomputed)) if units else list
+                               previous=plan, precomputed=precomputed, domains=fallback.domains)) if units else list
     builders = {
         "reroute": lambda: _reroute(profile, plan, failed, **common),
         "dynamic": lambda: _dynamic(profile, plan, options(), **common),
@@ -394,7 +399,7 @@ def _checkpoint(profile, plan, units, planner, *, precomputed, fallback, **commo
     if not units:
         return Candidate("checkpoint", False, "no device survives to reload it onto")
     options = replans(planner, units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size,
-                      previous=None, precomputed=precomputed)
+                      previous=None, precomputed=precomputed, domains=fallback.domains)
     reloaded = replace(fallback, checkpoint_age_s=0.0)  # after the reload, the checkpoint is the state trained on
     out = []
     for target, _ in options:
@@ -488,7 +493,7 @@ def decide_growth(
 
     def grow() -> Candidate:
         options = replans(planner, stage_units(plan) + list(joining), n_micro=plan.n_micro_batches,
-                          micro_batch_size=plan.micro_batch_size, previous=plan)
+                          micro_batch_size=plan.micro_batch_size, previous=plan, domains=domains)
         return _best([_moved("grow", profile, plan, new, {"search": search_s}, **common) for new, search_s in options])
 
     cands = (stay, _built("grow", grow))
