@@ -477,6 +477,7 @@ def decide_growth(
     checkpoint_interval_s: float | None = None,
     domains: tuple[tuple[int, ...], ...] | None = None,
     in_process: bool = False,
+    precomputed: Plan | None = None,
 ) -> Decision:
     """Whether devices that came back should join: ``stay`` on ``plan`` or ``grow`` onto a re-plan over every
     stage unit (:func:`replans`), by the same reasoning as a fault (the transition against faster steps until
@@ -485,6 +486,7 @@ def decide_growth(
 
     Args:
         joining: the returning devices as stage units (TP groups).
+        precomputed: the planner's best plan over every unit, if already searched.
     """
     d_s, source = estimate_d(policy, fault_times=list(fault_times), elapsed_s=elapsed_s)
     fallback = Fallback(checkpoint_age_s, checkpoint_interval_s, elapsed_s, domains, in_process)
@@ -493,7 +495,7 @@ def decide_growth(
 
     def grow() -> Candidate:
         options = replans(planner, stage_units(plan) + list(joining), n_micro=plan.n_micro_batches,
-                          micro_batch_size=plan.micro_batch_size, previous=plan, domains=domains)
+                          micro_batch_size=plan.micro_batch_size, previous=plan, precomputed=precomputed, domains=domains)
         return _best([_moved("grow", profile, plan, new, {"search": search_s}, **common) for new, search_s in options])
 
     cands = (stay, _built("grow", grow))

@@ -251,6 +251,8 @@ class ChameleonPolicy(Policy):
                 self.planning.profile, plan, spares, policy=policy, planner=self.planning.planner,
                 fault_times=list(rejoin.fault_times), elapsed_s=rejoin.now_s, checkpoint_age_s=rejoin.checkpoint_age_s,
                 checkpoint_interval_s=rejoin.checkpoint_interval_s, domains=self._domains(rejoin.dead), in_process=True,
+                precomputed=self.planning.best(stage_units(plan) + spares, n_micro=plan.n_micro_batches,
+                                               micro_batch_size=plan.micro_batch_size, previous=plan),
             )
             new = decision.chosen.plan if decision.choice == "grow" else None
         return None if new is None else rebuild_response(self.planning, plan, new, "rejoin")
