@@ -156,6 +156,16 @@ def exposure(plan: Plan, domains: tuple[tuple[int, ...], ...] | None) -> float:
     groups = [(d,) for d in plan.devices] if domains is None else [g for g in domains if g]
     if not groups:
         return 0.0
+    widest = max(len(g) for g in groups)
+    holders: dict[tuple[int, int], list[set[int]]] = {}
+    for p in plan.pipelines:
+        for st in p.stages:
+            if st.devices:
+                holders.setdefault(st.layers, []).append(set(st.devices))
+    # Stages hold disjoint devices, so a domain can wipe only layers held by at most ``widest`` stages.
+    thin = [stages for stages in holders.values() if len(stages) <= widest]
+    if not thin:
+        return 0.0
     return sum(bool(_uncovered_layers(plan, set(g))) for g in groups) / len(groups)
 
 
