@@ -29,8 +29,9 @@ usage: python -m chameleon.plan [+recipe=NAME] [cluster=NAME] ['plan.failed=[D, 
 
 What Chameleon would do if devices of the failure-free plan failed, without training: the plan, every
 recovery candidate (reroute, dynamic, redundant, checkpoint) with its estimated step time, transition,
-peak memory and Eq. 8 score, and the choice. plan.checkpoint_age_s=S says a checkpoint exists (S s old);
-plan.fault_times_s and plan.elapsed_s feed the estimate of the time to the next fault.
+peak memory, exposure to the next fault and score, and the choice. plan.checkpoint_age_s=S says a checkpoint
+exists (S s old), plan.checkpoint_interval_s=I that one is written every I s; plan.fault_times_s and
+plan.elapsed_s feed the estimate of the time to the next fault.
 
   python -m chameleon.plan                                         the tiny model, device 1 lost
   python -m chameleon.plan +recipe=llama7b cluster=a100_32 'plan.failed=[5]'
@@ -63,6 +64,8 @@ def check(cfg: DictConfig) -> None:
         value = getattr(query, key)
         if value is not None and value < 0:
             raise ConfigError(f"plan.{key}={value}: must be ≥ 0")
+    if query.checkpoint_interval_s is not None and query.checkpoint_interval_s <= 0:
+        raise ConfigError(f"plan.checkpoint_interval_s={query.checkpoint_interval_s}: must be > 0 (null: none scheduled)")
     if policy.name not in ("chameleon", "reroute", "dynamic", "redundant", "checkpoint"):
         raise ConfigError(f"policy.name={policy.name!r}: use chameleon, reroute, dynamic, redundant or checkpoint")
 
@@ -78,7 +81,7 @@ def report(cfg: DictConfig) -> str:
     planner = Planner(profile, dp_degrees=tuple(policy.dp_degrees), pp_lengths=tuple(policy.pp_lengths))
     decision = decide(
         profile, plan, set(query.failed), policy=policy, planner=planner, fault_times=query.fault_times_s,
-        elapsed_s=query.elapsed_s, checkpoint_age_s=query.checkpoint_age_s,
+        elapsed_s=query.elapsed_s, checkpoint_age_s=query.checkpoint_age_s, checkpoint_interval_s=query.checkpoint_interval_s,
     )
     base = estimate_step(profile, plan)
     if query.json:

@@ -37,7 +37,7 @@ from chameleon.sim import report
 from chameleon.sim.config import POLICIES, SimConfig, TraceConfig
 from chameleon.sim.engine import RunResult, Setup, simulate
 from chameleon.sim.policies import Planning, units_of
-from chameleon.sim.traces import Event, build_trace, nominal_mtbf_s, read_csv
+from chameleon.sim.traces import Event, build_trace, node_devices, nominal_mtbf_s, read_csv
 
 USAGE = """
 usage: python -m chameleon.simulate [+recipe=NAME] [cluster=NAME] [trace=KIND] [sim.horizon_h=H] [KEY=VALUE ...]
@@ -116,13 +116,22 @@ def prepare(cfg: DictConfig) -> tuple[Setup, tuple[Event, ...], float, SimConfig
     n_micro = cfg.train.global_batch // cfg.train.micro_batch
     reference = reference_plan(planning, units, n_micro=n_micro, micro_batch_size=cfg.train.micro_batch, idle=sim.reference_idle)
     if sim.initial == "planner":
-        plan = planning.best(units, n_micro=n_micro, micro_batch_size=cfg.train.micro_batch) or reference
+        plan = reference
     else:
         plan = _recipe_plan(cfg, sim, cluster)
     horizon_s = sim.horizon_h * 3600
     events = build_trace(trace, n_devices=cluster.n_devices, devices_per_node=cluster.devices_per_node, horizon_s=horizon_s)
     mtbf = nominal_mtbf_s(trace, n_devices=cluster.n_devices, devices_per_node=cluster.devices_per_node, events=events, horizon_s=horizon_s)
-    return Setup(planning, plan, reference, policy, sim, mtbf, cluster.n_devices), events, horizon_s, sim
+    domains = fault_domains(trace, n_devices=cluster.n_devices)
+    return Setup(planning, plan, reference, policy, sim, mtbf, cluster.n_devices, domains), events, horizon_s, sim
+
+
+def fault_domains(trace: TraceConfig, *, n_devices: int) -> tuple[tuple[int, ...], ...] | None:
+    """The device groups the trace fails together: its nodes for ``oobleck`` and ``csv`` traces of nodes
+    larger than a device, else None (devices fail alone; a ``poisson`` trace's node faults are rare beside them)."""
+    if trace.kind not in ("oobleck", "csv") or trace.node_size == 1:
+        return None
+    return tuple(node_devices(n, trace.node_size) for n in range(-(-n_devices // trace.node_size)))
 
 
 def reference_plan(planning: Planning, units, *, n_micro: int, micro_batch_size: int, idle: int) -> Plan:

@@ -59,5 +59,6 @@ class PlanQueryConfig:
     failed: list[int] = field(default_factory=lambda: [1])
     json: bool = False
     checkpoint_age_s: float | None = None  # seconds since the last checkpoint; None = no checkpoint
+    checkpoint_interval_s: float | None = None  # seconds between checkpoints; None = none scheduled
     fault_times_s: list[float] = field(default_factory=list)  # earlier faults, seconds since start
     elapsed_s: float = 0.0  # training time so far (for the D estimate)

@@ -30,6 +30,7 @@ Two searches cover the space:
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 import math
@@ -272,13 +273,15 @@ class Planner:
         top_k: Partitions re-scored with the exact estimator.
         exact_limit: The exact search runs when there are at most this many layer splits
             of the allowed lengths and this many multisets of them for the survivors.
+        min_dp: The fewest pipelines a plan may have (2: every layer on two devices).
     """
 
     def __init__(
         self, profile: Profile, *, dp_degrees: tuple[int, ...] = (), pp_lengths: tuple[int, ...] = (), top_k: int = 4,
-        exact_limit: int = 4000,
+        exact_limit: int = 4000, min_dp: int = 1,
     ):
         self.profile = profile
+        self.min_dp = min_dp
         self.dp_degrees = frozenset(dp_degrees)
         lengths = sorted(set(pp_lengths or range(1, profile.n_layers + 1)))
         self.fronts = {p: front for p in lengths if (front := pareto_splits(profile, p))}
@@ -287,6 +290,14 @@ class Planner:
         self.exact_limit = exact_limit
         self.lengths = tuple(lengths)
         self._rounds = lru_cache(maxsize=None)(self._round_params)
+        self._searched: dict[tuple[int, int], list] = {}
+
+    @cached_property
+    def replicated(self) -> "Planner":
+        """The same search restricted to plans of at least two pipelines (every layer held twice)."""
+        twin = copy.copy(self)
+        twin.min_dp, twin._searched = max(self.min_dp, 2), {}
+        return twin
 
     @cached_property
     def pool(self) -> tuple[Split, ...] | None:
@@ -344,7 +355,7 @@ class Planner:
         return tau + self._fixed(tuple(sp for sp, _ in shape), sum(c for _, c in shape))
 
     def _allowed(self, k: int, n_micro: int) -> bool:
-        return k <= n_micro and (not self.dp_degrees or k in self.dp_degrees)
+        return self.min_dp <= k <= n_micro and (not self.dp_degrees or k in self.dp_degrees)
 
     def partitions(self, n_units: int, n_micro: int) -> Iterator[dict[int, int]]:
         """Length counts ``{length: count}`` with at most two distinct lengths, every unit used."""
@@ -428,12 +439,15 @@ class Planner:
                     top.push(value, shape)
 
     def search(self, n_units: int, n_micro: int) -> list[tuple[float, dict[Split, int]]]:
-        """The ``top_k`` partitions ``{Split: count}`` by step time, best first (exact search when small)."""
-        top = _TopK(self.top_k)
-        self._fast(n_units, n_micro, top)
-        if self.exact_fits(n_units):
-            top = self._exact(n_units, n_micro, [shape for _, shape in top.best_first()])
-        return [(v, dict(shape)) for v, shape in top.best_first()]
+        """The ``top_k`` partitions ``{Split: count}`` by step time, best first (exact search when small); cached."""
+        key = (n_units, n_micro)
+        if key not in self._searched:
+            top = _TopK(self.top_k)
+            self._fast(n_units, n_micro, top)
+            if self.exact_fits(n_units):
+                top = self._exact(n_units, n_micro, [shape for _, shape in top.best_first()])
+            self._searched[key] = [(v, dict(shape)) for v, shape in top.best_first()]
+        return self._searched[key]
 
     def build(self, counts: dict, units: list[tuple[int, ...]], *, n_micro: int, micro_batch_size: int) -> Plan:
         """The plan of a partition ``{length or Split: count}``: pipelines shortest first, devices in ``units`` order."""
@@ -452,7 +466,7 @@ class Planner:
         Raises:
             PlanError: When no partition fits the allowed lengths, DP degrees and memory.
         """
-        top = self.search(len(units), n_micro)
+        top = self.search(len(units), n_micro) if units else []
         if not top:
             raise PlanError(
                 f"no plan for {len(units)} stage units: widen policy.pp_lengths / policy.dp_degrees, "

@@ -4,14 +4,21 @@ Candidates: ``reroute`` (orphan micro-batches to same-stage DP peers),
 ``dynamic`` (the planner's best plan on the survivors), ``redundant`` (the dead
 stage's layers move onto a pipeline neighbour, weights from a DP peer) and
 ``checkpoint`` (reload the newest checkpoint onto the planner's plan). Each is
-scored ``B / t_step · (D − T) / D`` — the average throughput until the next fault
-— and the best feasible one wins; ties go to the smaller transition, then the name.
+scored ``B / t_step · (D − T − p·C) / D``: Eq. 8's average throughput until the
+next fault, less what that fault is expected to cost on the candidate's plan —
+``p`` the share of fault domains whose loss would leave some layer with no
+replica (:func:`exposure`), ``C`` the training time such a loss throws away: a
+restart, a reload and the progress since the newest checkpoint, or everything
+since the start when there is none (:func:`fault_cost_s`). With ``p = 0`` it is
+Eq. 8. The best feasible candidate wins; ties go to the smaller transition, then
+the name. Re-planning weighs the planner's best plan, its best with every layer
+on two pipelines, and its best on fewer devices (the rest idle).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
@@ -34,6 +41,8 @@ class Candidate:
     transition: float = math.inf
     transition_parts: dict[str, float] = field(default_factory=dict)
     peak_memory: float = 0.0
+    exposure: float = 0.0
+    fault_cost_s: float = 0.0
     score: float = -math.inf
 
     def to_dict(self) -> dict:
@@ -56,13 +65,15 @@ class Decision:
 
     def table(self) -> str:
         """Every candidate as a row: feasibility, estimated step time, transition, peak memory, score."""
-        head = f"{'candidate':<11} {'ok':<3} {'t_step s':>10} {'transition s':>13} {'peak GB':>8} {'score':>10}  note"
+        head = (f"{'candidate':<11} {'ok':<3} {'t_step s':>10} {'transition s':>13} {'peak GB':>8} {'risk p':>7} "
+                f"{'cost s':>9} {'score':>10}  note")
         rows = [head, "-" * len(head)]
         for c in self.candidates:
             mark = "→" if c.name == self.choice else " "
             rows.append(
                 f"{mark}{c.name:<10} {'yes' if c.feasible else 'no':<3} {_fmt(c.t_step, '10.3f')} "
-                f"{_fmt(c.transition, '13.3f')} {c.peak_memory / 1e9:8.1f} {_fmt(c.score, '10.3f')}  {c.why}"
+                f"{_fmt(c.transition, '13.3f')} {c.peak_memory / 1e9:8.1f} {c.exposure:7.3f} {c.fault_cost_s:9.1f} "
+                f"{_fmt(c.score, '10.3f')}  {c.why}"
             )
         return "\n".join(rows)
 
@@ -102,6 +113,79 @@ def estimate_d(policy: PolicyConfig, *, fault_times: list[float], elapsed_s: flo
 def score(*, global_batch: int, t_step: float, transition: float, d_s: float) -> float:
     """Eq. 8: samples per second averaged over the window until the next fault."""
     return global_batch / t_step * (d_s - transition) / d_s
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """What the next fault would cost where it leaves a layer with no replica.
+
+    ``checkpoint_age_s``: age of the newest checkpoint now (None: none exists, so
+    such a fault ends the run: everything since the start is lost);
+    ``checkpoint_interval_s``: seconds between checkpoints (None: no more come);
+    ``elapsed_s``: training time so far; ``domains``: device groups that fail
+    together, each equally likely to be next (None: every device alone);
+    ``in_process``: a reload rebuilds groups instead of restarting the job.
+    """
+
+    checkpoint_age_s: float | None = None
+    checkpoint_interval_s: float | None = None
+    elapsed_s: float = 0.0
+    domains: tuple[tuple[int, ...], ...] | None = None
+    in_process: bool = False
+
+
+def expected_age(age_s: float, interval_s: float | None, d_s: float) -> float:
+    """Expected age of the newest checkpoint when the next fault strikes, faults Poisson with mean gap ``d_s``.
+
+    A checkpoint ``age_s`` old now and one every ``interval_s`` from then on: with
+    ``λ = 1/d_s`` and ``L = interval_s − age_s`` (time to the next write, ≥ 0),
+    ``E = a(1 − e^{−λL}) + 1/λ − (L + 1/λ)e^{−λL} + e^{−λL}·(1/λ − I·e^{−λI}/(1 − e^{−λI}))``;
+    with no further checkpoint it is ``age_s + d_s``.
+    """
+    if interval_s is None:
+        return age_s + d_s
+    rate, gap = 1 / d_s, max(interval_s - age_s, 0.0)
+    reach = math.exp(-rate * gap)
+    within = age_s * (1 - reach) + d_s - (gap + d_s) * reach
+    periodic = d_s - interval_s * math.exp(-rate * interval_s) / -math.expm1(-rate * interval_s)
+    return within + reach * periodic
+
+
+def exposure(plan: Plan, domains: tuple[tuple[int, ...], ...] | None) -> float:
+    """Share of ``domains`` (None: each device of ``plan``) whose loss leaves some layer of ``plan`` with no replica."""
+    groups = [(d,) for d in plan.devices] if domains is None else [g for g in domains if g]
+    if not groups:
+        return 0.0
+    widest = max(len(g) for g in groups)
+    holders: dict[tuple[int, int], list[set[int]]] = {}
+    for p in plan.pipelines:
+        for st in p.stages:
+            if st.devices:
+                holders.setdefault(st.layers, []).append(set(st.devices))
+    # Stages hold disjoint devices, so a domain can wipe only layers held by at most ``widest`` stages.
+    thin = [stages for stages in holders.values() if len(stages) <= widest]
+    if not thin:
+        return 0.0
+    return sum(bool(_uncovered_layers(plan, set(g))) for g in groups) / len(groups)
+
+
+def fault_cost_s(profile: Profile, plan: Plan, fallback: Fallback, d_s: float) -> float:
+    """Training time lost when the next fault leaves a layer of ``plan`` with no replica.
+
+    A reload (restart or group rebuild, reading the checkpoint) plus the expected
+    progress since the newest checkpoint; with no checkpoint, the whole run so far
+    and the window ahead (the job cannot go on).
+    """
+    if fallback.checkpoint_age_s is None:
+        return fallback.elapsed_s + d_s
+    restart = est.rebuild_time(profile, plan) if fallback.in_process else profile.restart_s
+    age = expected_age(fallback.checkpoint_age_s, fallback.checkpoint_interval_s, d_s)
+    return restart + est.checkpoint_time(profile, plan.n_layers) + age
+
+
+def risk_score(*, global_batch: int, t_step: float, transition: float, d_s: float, exposure: float, cost_s: float) -> float:
+    """Eq. 8 less the expected cost of the next fault: ``B / t_step · (D − T − p·C) / D``."""
+    return score(global_batch=global_batch, t_step=t_step, transition=transition + exposure * cost_s, d_s=d_s)
 
 
 def _lost_units(plan: Plan, failed: set[int]) -> list[tuple[int, int]]:
@@ -189,17 +273,63 @@ def takeover_plan(profile: Profile, plan: Plan, failed: set[int]) -> Plan:
     return out
 
 
-def _finish(name: str, profile: Profile, plan: Plan, parts: dict[str, float], *, global_batch: int, d_s: float, slots: str) -> Candidate:
+IDLE_OPTIONS = 4  # re-planning also weighs the best plans on up to this many fewer stage units
+IDLE_UNITS = 256  # ... on clusters of at most this many: beyond, a unit is under 0.4 % of the work
+
+
+def _finish(name: str, profile: Profile, plan: Plan, parts: dict[str, float], *, global_batch: int, d_s: float, slots: str,
+            fallback: Fallback) -> Candidate:
     step = est.estimate_step(profile, plan, reroute_slots=slots)
     peak = max(est.memory_per_device(profile, plan).values())
     transition = sum(parts.values())
+    p = exposure(plan, fallback.domains)
+    cost = fault_cost_s(profile, plan, fallback, d_s) if p else 0.0
+    risk = dict(exposure=p, fault_cost_s=cost)
     if peak > profile.memory_bytes:
         return Candidate(name, False, f"needs {peak / 1e9:.1f} GB > {profile.memory_bytes / 1e9:.1f} GB per device",
-                         plan, step.t_step, transition, parts, peak)
+                         plan, step.t_step, transition, parts, peak, **risk)
     if d_s <= transition:
-        return Candidate(name, False, f"D = {d_s:.1f} s ≤ transition {transition:.1f} s", plan, step.t_step, transition, parts, peak)
-    return Candidate(name, True, "", plan, step.t_step, transition, parts, peak,
-                     score(global_batch=global_batch, t_step=step.t_step, transition=transition, d_s=d_s))
+        return Candidate(name, False, f"D = {d_s:.1f} s ≤ transition {transition:.1f} s", plan, step.t_step, transition, parts,
+                         peak, **risk)
+    return Candidate(name, True, "", plan, step.t_step, transition, parts, peak, **risk,
+                     score=risk_score(global_batch=global_batch, t_step=step.t_step, transition=transition, d_s=d_s,
+                                      exposure=p, cost_s=cost))
+
+
+def _best(options: list[Candidate]) -> Candidate:
+    """The highest-scoring feasible option (ties: the smaller transition), else the first."""
+    feasible = [c for c in options if c.feasible]
+    return min(feasible, key=lambda c: (-c.score, c.transition)) if feasible else options[0]
+
+
+def replans(planner: Planner, units: list[tuple[int, ...]], *, n_micro: int, micro_batch_size: int,
+            previous: Plan | None, precomputed: Plan | None = None,
+            domains: tuple[tuple[int, ...], ...] | None = None) -> list[tuple[Plan, float]]:
+    """The plans a re-plan onto ``units`` weighs, each with its search time.
+
+    The planner's best (``precomputed`` when given), placed to move the least
+    state from ``previous``; on at most :data:`IDLE_UNITS` units, its best on up to
+    :data:`IDLE_OPTIONS` fewer (the last ones idle), so more devices never mean a
+    slower plan; and, when the best leaves some layer exposed to a fault of one of
+    ``domains`` (:func:`exposure`), its best with every layer on two pipelines,
+    placed, and laid out in device order (each pipeline on neighbouring devices,
+    so a node's fault takes as few as it can).
+    """
+    def best(p: Planner, us: list[tuple[int, ...]], prev: Plan | None) -> list[tuple[Plan, float]]:
+        try:
+            result = p.best(us, n_micro=n_micro, micro_batch_size=micro_batch_size, previous=prev)
+        except PlanError:
+            return []
+        return [(result.plan, result.search_s)]
+
+    out = [(precomputed, 0.0)] if precomputed is not None else best(planner, units, previous)
+    ordered = sorted(units)
+    if len(units) <= IDLE_UNITS:
+        for k in range(1, min(IDLE_OPTIONS, len(units) - 1) + 1):
+            out += best(planner, ordered[:-k], previous)
+    if len(units) > 1 and (not out or exposure(out[0][0], domains) > 0):
+        out += best(planner.replicated, units, previous) + best(planner.replicated, ordered, None)
+    return out
 
 
 def candidates(
@@ -213,23 +343,31 @@ def candidates(
     checkpoint_age_s: float | None = None,
     precomputed: Plan | None = None,
     in_process: bool = False,
+    fallback: Fallback | None = None,
+    spares: list[tuple[int, ...]] = (),
 ) -> list[Candidate]:
     """Every recovery candidate for ``failed`` devices of ``plan``, feasible or not (with why).
 
     ``in_process``: survivors reload a checkpoint without restarting (Chameleon's
     runtime), so that candidate pays a group rebuild instead of a job restart.
+    ``fallback``: what the next fault would cost (its checkpoint age and in-process
+    flag are taken from the arguments above). ``spares``: live stage units
+    ``plan`` leaves idle, which a re-plan or a reload may use.
     """
+    fallback = replace(fallback or Fallback(), checkpoint_age_s=checkpoint_age_s, in_process=in_process)
     gaps = _uncovered_layers(plan, failed)
-    common = dict(global_batch=plan.global_batch, d_s=d_s, slots=slots)
+    common = dict(global_batch=plan.global_batch, d_s=d_s, slots=slots, fallback=fallback)
+    units = stage_units(plan, failed) + list(spares)
+    options = (lambda: replans(planner, units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size,
+                               previous=plan, precomputed=precomputed, domains=fallback.domains)) if units else list
     builders = {
         "reroute": lambda: _reroute(profile, plan, failed, **common),
-        "dynamic": lambda: _dynamic(profile, plan, failed, planner, precomputed, **common),
+        "dynamic": lambda: _dynamic(profile, plan, options(), **common),
         "redundant": lambda: _redundant(profile, plan, failed, **common),
     }
     out = [Candidate(name, False, f"layers {gaps} have no surviving replica") if gaps else _built(name, build)
            for name, build in builders.items()]
-    out.append(_built("checkpoint", lambda: _checkpoint(profile, plan, failed, planner, checkpoint_age_s,
-                                                        precomputed=precomputed, in_process=in_process, **common)))
+    out.append(_built("checkpoint", lambda: _checkpoint(profile, plan, units, planner, precomputed=precomputed, **common)))
     return out
 
 
@@ -243,41 +381,42 @@ def _built(name: str, build) -> Candidate:
         return Candidate(name, False, f"could not be built: {type(err).__name__}: {err}")
 
 
-def _reroute(profile, plan, failed, *, global_batch, d_s, slots) -> Candidate:
+def _reroute(profile, plan, failed, **common) -> Candidate:
     rr = reroute_plan(plan, failed)
-    return _finish("reroute", profile, rr, {"rebuild": est.rebuild_time(profile, rr)},
-                   global_batch=global_batch, d_s=d_s, slots=slots)
+    return _finish("reroute", profile, rr, {"rebuild": est.rebuild_time(profile, rr)}, **common)
 
 
-def _dynamic(profile, plan, failed, planner, precomputed, *, global_batch, d_s, slots) -> Candidate:
-    if precomputed is not None:
-        dyn, search_s = precomputed, 0.0
-    else:
-        result = planner.best(stage_units(plan, failed), n_micro=plan.n_micro_batches,
-                              micro_batch_size=plan.micro_batch_size, previous=plan)
-        dyn, search_s = result.plan, result.search_s
-    migrate, _ = est.migration_time(profile, plan, dyn)
-    parts = {"search": search_s, "migrate": migrate, "rebuild": est.rebuild_time(profile, dyn)}
-    return _finish("dynamic", profile, dyn, parts, global_batch=global_batch, d_s=d_s, slots=slots)
+def _dynamic(profile, plan, options, **common) -> Candidate:
+    if not options:
+        raise PlanError("no device survives to re-plan onto")
+    return _best([_moved("dynamic", profile, plan, new, {"search": search_s}, **common) for new, search_s in options])
 
 
-def _redundant(profile, plan, failed, *, global_batch, d_s, slots) -> Candidate:
+def _moved(name: str, profile: Profile, old: Plan, new: Plan, parts: dict[str, float], **common) -> Candidate:
+    """``new`` reached from ``old`` by migrating state and rebuilding groups (after ``parts``)."""
+    migrate, _ = est.migration_time(profile, old, new)
+    return _finish(name, profile, new, {**parts, "migrate": migrate, "rebuild": est.rebuild_time(profile, new)}, **common)
+
+
+def _redundant(profile, plan, failed, **common) -> Candidate:
     to = takeover_plan(profile, plan, failed)
-    migrate, _ = est.migration_time(profile, plan, to)
-    return _finish("redundant", profile, to, {"migrate": migrate, "rebuild": est.rebuild_time(profile, to)},
-                   global_batch=global_batch, d_s=d_s, slots=slots)
+    return _moved("redundant", profile, plan, to, {}, **common)
 
 
-def _checkpoint(profile, plan, failed, planner, age_s, *, precomputed, in_process, global_batch, d_s, slots) -> Candidate:
-    if age_s is None:
+def _checkpoint(profile, plan, units, planner, *, precomputed, fallback, **common) -> Candidate:
+    if fallback.checkpoint_age_s is None:
         return Candidate("checkpoint", False, "no checkpoint exists")
-    units = stage_units(plan, failed)
     if not units:
         return Candidate("checkpoint", False, "no device survives to reload it onto")
-    target = precomputed or planner.choose(units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
-    restart = {"rebuild": est.rebuild_time(profile, target)} if in_process else {"restart": profile.restart_s}
-    parts = {**restart, "reload": est.checkpoint_time(profile, plan.n_layers), "lost_progress": age_s}
-    return _finish("checkpoint", profile, target, parts, global_batch=global_batch, d_s=d_s, slots=slots)
+    options = replans(planner, units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size,
+                      previous=None, precomputed=precomputed, domains=fallback.domains)
+    reloaded = replace(fallback, checkpoint_age_s=0.0)  # after the reload, the checkpoint is the state trained on
+    out = []
+    for target, _ in options:
+        restart = {"rebuild": est.rebuild_time(profile, target)} if fallback.in_process else {"restart": profile.restart_s}
+        parts = {**restart, "reload": est.checkpoint_time(profile, plan.n_layers), "lost_progress": fallback.checkpoint_age_s}
+        out.append(_finish("checkpoint", profile, target, parts, fallback=reloaded, **common))
+    return _best(out)
 
 
 def decide(
@@ -290,20 +429,28 @@ def decide(
     fault_times: list[float] = (),
     elapsed_s: float = 0.0,
     checkpoint_age_s: float | None = None,
+    checkpoint_interval_s: float | None = None,
+    domains: tuple[tuple[int, ...], ...] | None = None,
     precomputed: Plan | None = None,
     in_process: bool = False,
+    spares: list[tuple[int, ...]] = (),
 ) -> Decision:
-    """Weigh every candidate by Eq. 8 and choose; a forced ``policy.name`` restricts the choice.
+    """Weigh every candidate by Eq. 8 and the next fault's cost, and choose; a forced ``policy.name`` restricts the choice.
 
-    A forced policy that is infeasible falls back to the best feasible candidate,
-    and the note says so.
+    ``checkpoint_interval_s`` (seconds between checkpoints, None: none scheduled)
+    and ``domains`` (devices that fail together, None: each alone) feed the next
+    fault's cost (:class:`Fallback`); ``spares`` are live stage units ``plan``
+    leaves idle. A forced policy that is infeasible falls back to the best
+    feasible candidate, and the note says so.
     """
     if policy.name not in POLICIES + ("chameleon",):
         raise ValueError(f"policy.name={policy.name!r}: use chameleon, {', '.join(POLICIES)}")
     d_s, source = estimate_d(policy, fault_times=list(fault_times), elapsed_s=elapsed_s)
+    fallback = Fallback(checkpoint_interval_s=checkpoint_interval_s, elapsed_s=elapsed_s, domains=_alive(domains, failed))
     cands = candidates(
         profile, plan, failed, planner=planner, d_s=d_s, slots=policy.reroute_slots,
-        checkpoint_age_s=checkpoint_age_s, precomputed=precomputed, in_process=in_process,
+        checkpoint_age_s=checkpoint_age_s, precomputed=precomputed, in_process=in_process, fallback=fallback,
+        spares=spares,
     )
     feasible = [c for c in cands if c.feasible]
     note = ""
@@ -320,6 +467,13 @@ def decide(
     return Decision(policy.name, tuple(sorted(failed)), d_s, source, best.name if best else None, tuple(cands), note)
 
 
+def _alive(domains, dead) -> tuple[tuple[int, ...], ...] | None:
+    """``domains`` without the ``dead`` devices (emptied ones dropped)."""
+    if domains is None:
+        return None
+    return tuple(g for g in (tuple(d for d in group if d not in dead) for group in domains) if g)
+
+
 def decide_growth(
     profile: Profile,
     plan: Plan,
@@ -329,25 +483,30 @@ def decide_growth(
     planner: Planner,
     fault_times: list[float] = (),
     elapsed_s: float = 0.0,
+    checkpoint_age_s: float | None = None,
+    checkpoint_interval_s: float | None = None,
+    domains: tuple[tuple[int, ...], ...] | None = None,
+    in_process: bool = False,
+    precomputed: Plan | None = None,
 ) -> Decision:
-    """Whether devices that came back should join: ``stay`` on ``plan`` or ``grow`` onto the planner's best
-    plan over every stage unit, by the same Eq. 8 reasoning as a fault (the transition against faster
-    steps until the next fault). Ties stay. A forced ``policy.name`` always grows back when it can, as the
-    systems it stands for heal whenever devices return.
+    """Whether devices that came back should join: ``stay`` on ``plan`` or ``grow`` onto a re-plan over every
+    stage unit (:func:`replans`), by the same reasoning as a fault (the transition against faster steps until
+    the next fault, less that fault's expected cost). Ties stay. A forced ``policy.name`` always grows back when
+    it can, as the systems it stands for heal whenever devices return.
 
     Args:
         joining: the returning devices as stage units (TP groups).
+        precomputed: the planner's best plan over every unit, if already searched.
     """
     d_s, source = estimate_d(policy, fault_times=list(fault_times), elapsed_s=elapsed_s)
-    common = dict(global_batch=plan.global_batch, d_s=d_s, slots=policy.reroute_slots)
+    fallback = Fallback(checkpoint_age_s, checkpoint_interval_s, elapsed_s, domains, in_process)
+    common = dict(global_batch=plan.global_batch, d_s=d_s, slots=policy.reroute_slots, fallback=fallback)
     stay = _finish("stay", profile, plan, {}, **common)
 
     def grow() -> Candidate:
-        result = planner.best(stage_units(plan) + list(joining), n_micro=plan.n_micro_batches,
-                              micro_batch_size=plan.micro_batch_size, previous=plan)
-        migrate, _ = est.migration_time(profile, plan, result.plan)
-        parts = {"search": result.search_s, "migrate": migrate, "rebuild": est.rebuild_time(profile, result.plan)}
-        return _finish("grow", profile, result.plan, parts, **common)
+        options = replans(planner, stage_units(plan) + list(joining), n_micro=plan.n_micro_batches,
+                          micro_batch_size=plan.micro_batch_size, previous=plan, precomputed=precomputed, domains=domains)
+        return _best([_moved("grow", profile, plan, new, {"search": search_s}, **common) for new, search_s in options])
 
     cands = (stay, _built("grow", grow))
     feasible = [c for c in cands if c.feasible and (policy.name == "chameleon" or c.name == "grow")] or [stay]

@@ -247,7 +247,10 @@ class Controller:
             profile = replace(profile, n_devices=self.world, devices_per_node=devices_per_host)
         self.profile = profile
         self.planner = Planner(profile, dp_degrees=tuple(self.policy.dp_degrees), pp_lengths=tuple(self.policy.pp_lengths))
-        self.coordinator = Coordinator(model=self.model, profile=profile, planner=self.planner, policy=self.policy)
+        nodes = self.launcher["nnodes"]
+        domains = tuple(tuple(range(n * self.per_node, (n + 1) * self.per_node)) for n in range(nodes)) if nodes > 1 else None
+        self.coordinator = Coordinator(model=self.model, profile=profile, planner=self.planner, policy=self.policy,
+                                       checkpoint_steps=self.config["ckpt"]["interval"], domains=domains)
 
     # ----- lifecycle -------------------------------------------------------------------
 
@@ -747,7 +750,7 @@ class Controller:
             return
         self.growth = (self.resident, joining, self.pool.submit(
             self.coordinator.grow, self.resident, alive=set(self.alive), joining=set(joining),
-            fault_times=list(self.fault_times), elapsed_s=time.time() - self.t0,
+            fault_times=list(self.fault_times), elapsed_s=time.time() - self.t0, saved=self.saved, now=time.time(),
         ))
 
     def _ripe_growth(self) -> Transition | None:

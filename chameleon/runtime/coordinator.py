@@ -53,8 +53,12 @@ class Transition:
 class Coordinator:
     """Turns faults and re-joins into generations (see the module doc)."""
 
-    def __init__(self, *, model: ModelConfig, profile: Profile, planner: Planner, policy: PolicyConfig):
+    def __init__(self, *, model: ModelConfig, profile: Profile, planner: Planner, policy: PolicyConfig,
+                 checkpoint_steps: int = 0, domains: tuple[tuple[int, ...], ...] | None = None):
+        """``checkpoint_steps``: committed steps between checkpoints (0: none); ``domains``: devices that fail
+        together (a node's), None when devices fail alone. Both price the next fault in each decision."""
         self.profile, self.planner, self.policy = profile, planner, policy
+        self.checkpoint_steps, self.domains = checkpoint_steps, domains
         self.shapes = param_shapes(model)
         self._stage_names = partial(stage_param_names, model)
 
@@ -82,10 +86,10 @@ class Coordinator:
             TrainingError: no candidate is feasible (every replica of some layer lost, no checkpoint).
         """
         failed = set(resident.devices) - alive
-        age = now - saved.committed_at if saved else None
         decision = decide(
             self.profile, resident, failed, policy=self.policy, planner=self.planner, precomputed=precomputed,
-            fault_times=fault_times, elapsed_s=elapsed_s, checkpoint_age_s=age, in_process=True,
+            fault_times=fault_times, elapsed_s=elapsed_s, spares=_units(resident, alive - set(resident.devices)),
+            **self._fallback(resident, saved, now),
         )
         chosen = decision.chosen
         if chosen is None:
@@ -97,17 +101,21 @@ class Coordinator:
         manifest = relayout(self.layout(resident), self.layout(chosen.plan), survivors=sorted(alive))
         return self._transition(decision, chosen.plan, alive, next_step, manifest, None)
 
-    def grow(self, resident: Plan, *, alive: set[int], joining: set[int],
-             fault_times: list[float], elapsed_s: float) -> Transition | Decision:
+    def _fallback(self, resident: Plan, saved: SavedState | None, now: float) -> dict:
+        """What the selector needs to price the next fault: the checkpoint's age and interval, the fault domains."""
+        interval = self.checkpoint_steps * self.step_estimate(resident) if self.checkpoint_steps else None
+        return dict(checkpoint_age_s=now - saved.committed_at if saved else None, checkpoint_interval_s=interval,
+                    domains=self.domains, in_process=True)
+
+    def grow(self, resident: Plan, *, alive: set[int], joining: set[int], fault_times: list[float], elapsed_s: float,
+             saved: SavedState | None = None, now: float = 0.0) -> Transition | Decision:
         """The grown generation when taking ``joining`` devices in pays (Eq. 8), else the decision to stay.
 
         Its ``resume_step`` is left to the caller: the step after the commit it switches at.
         """
-        tp = max(st.tp for p in resident.pipelines for st in p.stages if st.devices)
-        ordered = sorted(joining)
-        units = [tuple(ordered[i:i + tp]) for i in range(0, len(ordered) - len(ordered) % tp, tp)]
+        units = _units(resident, joining | (alive - set(resident.devices)))
         decision = decide_growth(self.profile, resident, units, policy=self.policy, planner=self.planner,
-                                 fault_times=fault_times, elapsed_s=elapsed_s)
+                                 fault_times=fault_times, elapsed_s=elapsed_s, **self._fallback(resident, saved, now))
         if decision.choice != "grow":
             return decision
         members = alive | set(d for unit in units for d in unit)
@@ -118,3 +126,10 @@ class Coordinator:
     def _transition(self, decision, plan, members, resume_step, manifest, checkpoint) -> Transition:
         return Transition(decision, plan, tuple(sorted(members)), resume_step, manifest, checkpoint,
                           self.step_estimate(plan))
+
+
+def _units(plan: Plan, devices: set[int]) -> list[tuple[int, ...]]:
+    """``devices`` as stage units of ``plan``'s TP width, in id order (a partial group is left out)."""
+    tp = max(st.tp for p in plan.pipelines for st in p.stages if st.devices)
+    ordered = sorted(devices)
+    return [tuple(ordered[i:i + tp]) for i in range(0, len(ordered) - len(ordered) % tp, tp)]

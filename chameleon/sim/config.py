@@ -76,7 +76,7 @@ class SimConfig:
     """What to simulate: horizon, policies and outputs.
 
     ``initial=recipe`` starts from ``parallel.*`` (the recipe's plan);
-    ``initial=planner`` from the planner's best plan on all ``cluster.n_devices``.
+    ``initial=planner`` from the reference below (the planner's best plan, cards allowed to idle).
     The failure-free reference of every ratio is the planner's best plan on the full
     cluster, cards allowed to idle: the best of its plans on ``n_devices − k`` cards,
     ``0 ≤ k ≤ reference_idle``.

@@ -48,7 +48,8 @@ class Setup:
 
     ``plan`` is the run's starting plan (the recipe's or the planner's); ``reference``
     the planner's best failure-free plan on the full cluster, the denominator of
-    every ratio.
+    every ratio; ``domains`` the device groups the trace fails together (None:
+    devices fail alone), which Chameleon's selector weighs.
     """
 
     planning: pol.Planning
@@ -58,6 +59,7 @@ class Setup:
     sim: SimConfig
     mtbf_s: float
     n_devices: int
+    domains: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def reference_throughput(self) -> float:
@@ -172,7 +174,7 @@ def simulate(setup: Setup, name: str, events: tuple[Event, ...], *, horizon_s: f
     fault_times: list[float] = []
     removals = [e.time_s for e in events if e.kind == "remove"]
     recoveries: list[dict] = []
-    saves = _Saves(setup, run) if policy.checkpoints else None
+    saves = _Saves(setup, run, blocking=policy.checkpoints == "blocking") if policy.checkpoints else None
     for event in tqdm(events, desc=name, disable=not progress, leave=False):
         if event.time_s >= horizon_s:
             break
@@ -188,9 +190,11 @@ def simulate(setup: Setup, name: str, events: tuple[Event, ...], *, horizon_s: f
             if not failed:
                 continue
             run.advance(event.time_s, abort=True)
+            if saves:
+                saves.interrupt(event.time_s)
             response = policy.on_fault(run.plan, pol.Fault(
                 event.time_s, frozenset(failed), frozenset(dead), tuple(fault_times[:-1]), d_true,
-                saves.age(event.time_s) if saves else None,
+                *(saves.fallback(event.time_s) if saves else ()),
             ))
             if response.rollback:
                 saves.rollback()
@@ -209,6 +213,7 @@ def simulate(setup: Setup, name: str, events: tuple[Event, ...], *, horizon_s: f
             run.advance(event.time_s, abort=False)
             response = policy.on_rejoin(run.plan, pol.Rejoin(
                 event.time_s, frozenset(back), frozenset(dead), tuple(fault_times), d_true,
+                *(saves.fallback(event.time_s) if saves else ()),
             ))
             if response is not None:
                 run.adopt(response)
@@ -224,26 +229,50 @@ def simulate(setup: Setup, name: str, events: tuple[Event, ...], *, horizon_s: f
 
 
 class _Saves:
-    """Checkpoint writes every Young/Daly interval ``sqrt(2·δ·MTBF)``, each pausing ``δ``."""
+    """Checkpoint writes every Young/Daly interval ``sqrt(2·δ·MTBF)``.
 
-    def __init__(self, setup: Setup, run: _Run):
-        self.run = run
+    A blocking write (checkpoint-restart) pauses training for ``δ``; an asynchronous
+    one (Chameleon's runtime: each device writes its own shard in the background)
+    trains on and becomes the fallback once written, ``δ`` after its snapshot; a
+    fault during the write discards it.
+    """
+
+    def __init__(self, setup: Setup, run: _Run, *, blocking: bool):
+        self.run, self.blocking = run, blocking
         self.write_s = est.checkpoint_time(setup.planning.profile, setup.plan.n_layers)
         self.interval_s = math.sqrt(2 * self.write_s * setup.mtbf_s)
         self.next_s = self.interval_s
         self.saved = (0.0, 0.0, dict(run.acc))  # (time, samples, breakdown) at the last checkpoint
+        self.writing: tuple[float, float, dict] | None = None  # an asynchronous write not yet landed
 
     def until(self, t: float) -> None:
         """Write every checkpoint due before ``t``."""
         run = self.run
         while self.next_s < min(t, run.horizon) and run.plan is not None:
             run.advance(self.next_s, abort=False)
-            self.saved = (run.now, run.samples, dict(run.acc))
-            run.resume_at = max(run.resume_at, run.now) + self.write_s
-            self.next_s = run.resume_at + self.interval_s
+            snapshot = (run.now, run.samples, dict(run.acc))
+            if self.blocking:
+                self.saved = snapshot
+                run.resume_at = max(run.resume_at, run.now) + self.write_s
+                self.next_s = run.resume_at + self.interval_s
+            else:
+                self._land(run.now)
+                self.writing = snapshot
+                self.next_s = run.now + self.interval_s
+        self._land(t)
 
-    def age(self, t: float) -> float:
-        return t - self.saved[0]
+    def _land(self, t: float) -> None:
+        if self.writing is not None and self.writing[0] + self.write_s <= t:
+            self.saved, self.writing = self.writing, None
+
+    def interrupt(self, t: float) -> None:
+        """A fault at ``t``: a write still in flight never lands."""
+        self._land(t)
+        self.writing = None
+
+    def fallback(self, t: float) -> tuple[float, float]:
+        """The newest checkpoint's age at ``t`` and the interval between writes."""
+        return t - self.saved[0], self.interval_s
 
     def rollback(self) -> None:
         """Discard the progress since the last checkpoint: its training time becomes lost."""
@@ -253,3 +282,4 @@ class _Saves:
         run.samples = samples
         run.acc["useful"], run.acc["degraded"] = acc["useful"], acc["degraded"]
         run.acc["lost"] += redone
+        self.saved = (run.now, samples, dict(run.acc))

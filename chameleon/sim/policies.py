@@ -6,10 +6,14 @@ after a pause). Plans, step times and transitions come from the real planner and
 estimator through :class:`Planning`. Chameleon's policies are the selector
 (:func:`chameleon.decision.selector.decide`) under different :class:`PolicyConfig`:
 
-- ``chameleon``: Eq. 8 over every candidate, ``D`` estimated online from the fault history.
-- ``oracle``: Eq. 8 with the true time to the next fault (hindsight).
+- ``chameleon``: Eq. 8 and the next fault's cost over every candidate, ``D``
+  estimated online from the fault history.
+- ``oracle``: the same with the true time to the next fault (hindsight).
 - ``dynamic`` / ``reroute``: Chameleon forced to re-plan / to reroute (Eq. 12/13).
 
+Like the runtime, they write asynchronous checkpoints (the engine's Young/Daly
+writes, training on while they land) and fall back on the newest one when a
+fault leaves a layer with no replica; the selector knows its age and interval.
 The baselines from other papers live in :mod:`chameleon.sim.baselines`.
 Plans for ``n`` survivors are searched once per ``n`` (the planner's precompute)
 and only re-placed afterwards, so the search costs no simulated time.
@@ -24,7 +28,7 @@ from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.planner import Planner, place, stage_units
 from chameleon.decision.profiler import Profile
-from chameleon.decision.selector import decide, estimate_d, score
+from chameleon.decision.selector import decide, decide_growth
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage
 
 Units = list[tuple[int, ...]]
@@ -52,6 +56,7 @@ class Fault:
     fault_times: tuple[float, ...]  # earlier faults
     next_fault_s: float  # true time to the next fault (the oracle's hindsight)
     checkpoint_age_s: float | None = None
+    checkpoint_interval_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ class Rejoin:
     dead: frozenset[int]
     fault_times: tuple[float, ...]
     next_fault_s: float
+    checkpoint_age_s: float | None = None
+    checkpoint_interval_s: float | None = None
 
 
 class Planning:
@@ -92,6 +99,8 @@ class Planning:
         None when no plan fits.
         """
         key = (len(units), n_micro, micro_batch_size)
+        if not units:
+            return None
         if key not in self._shapes:
             try:
                 self._shapes[key] = self.planner.choose(units, n_micro=n_micro, micro_batch_size=micro_batch_size)
@@ -170,7 +179,7 @@ class Policy:
         setup: The run's planning, plans and options (:class:`chameleon.sim.engine.Setup`).
     """
 
-    checkpoints = False  # the engine writes Young/Daly checkpoints for this policy
+    checkpoints: str | None = None  # the engine writes Young/Daly checkpoints for this policy: "blocking" or "async"
 
     def __init__(self, name: str, setup):
         self.name = name
@@ -198,9 +207,7 @@ class ChameleonPolicy(Policy):
 
     SELECTOR = {"chameleon": "chameleon", "oracle": "chameleon", "dynamic": "dynamic", "reroute": "reroute"}
 
-    def __init__(self, name: str, setup):
-        super().__init__(name, setup)
-        self.spares: Units = []
+    checkpoints = "async"
 
     def _config(self, next_fault_s: float) -> PolicyConfig:
         policy = self.setup.policy
@@ -208,38 +215,47 @@ class ChameleonPolicy(Policy):
 
     def on_fault(self, plan: Plan, fault: Fault) -> Response:
         failed = set(fault.failed)
-        self.spares = [u for u in self.spares if not failed & set(u)]
-        units = stage_units(plan, failed)
+        spares = self._spares(plan, fault.dead)
+        units = stage_units(plan, failed) + spares
         pre = self.planning.best(units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size, previous=plan) if units else None
         decision = decide(
             self.planning.profile, plan, failed, policy=self._config(fault.next_fault_s), planner=self.planning.planner,
             fault_times=list(fault.fault_times), elapsed_s=fault.now_s, precomputed=pre,
+            checkpoint_age_s=fault.checkpoint_age_s, checkpoint_interval_s=fault.checkpoint_interval_s,
+            domains=self._domains(fault.dead), in_process=True, spares=spares,
         )
         chosen = decision.chosen
         if chosen is None:
             return Response(None, 0.0, math.inf, "halt", decision.d_s)
-        return Response(chosen.plan, chosen.transition, chosen.t_step, chosen.name, decision.d_s)
+        reload = chosen.name == "checkpoint"  # the engine discards the rolled-back progress itself
+        pause = chosen.transition - chosen.transition_parts.get("lost_progress", 0.0)
+        return Response(chosen.plan, pause, chosen.t_step, chosen.name, decision.d_s, rollback=reload)
+
+    def _spares(self, plan: Plan, dead) -> Units:
+        """Live devices ``plan`` leaves idle, as stage units."""
+        return units_of(set(range(self.setup.n_devices)) - set(dead) - set(plan.devices), _tp_of(plan))
+
+    def _domains(self, dead) -> tuple[tuple[int, ...], ...] | None:
+        """The live devices of each fault domain of the setup (None: every device alone)."""
+        if self.setup.domains is None:
+            return None
+        return tuple(g for g in (tuple(d for d in group if d not in dead) for group in self.setup.domains) if g)
 
     def on_rejoin(self, plan: Plan, rejoin: Rejoin) -> Response | None:
-        """Refill rerouted stages with returned units, else re-plan onto all of them when Eq. 8 says it pays."""
-        self.spares += units_of(set(rejoin.back), _tp_of(plan))
-        new, left = refill_rerouted(plan, self.spares)
+        """Refill rerouted stages with returned units, else grow onto all of them when the selector says it pays."""
+        spares = self._spares(plan, rejoin.dead)
+        new = refill_rerouted(plan, spares)[0]
         if new is None and self.name != "reroute":
-            grown = self.planning.best(stage_units(plan) + self.spares, n_micro=plan.n_micro_batches,
-                                       micro_batch_size=plan.micro_batch_size, previous=plan)
-            if grown is None:
-                return None
-            d_s = rejoin.next_fault_s if self.name == "oracle" else estimate_d(
-                self.setup.policy, fault_times=list(rejoin.fault_times), elapsed_s=rejoin.now_s)[0]
-            pause = est.migration_time(self.planning.profile, plan, grown)[0] + est.rebuild_time(self.planning.profile, grown)
-            gain = score(global_batch=grown.global_batch, t_step=self.planning.t_step(grown), transition=pause, d_s=d_s)
-            if d_s <= pause or gain <= plan.global_batch / self.planning.t_step(plan):
-                return None
-            new, left = grown, []
-        if new is None:
-            return None
-        self.spares = left
-        return rebuild_response(self.planning, plan, new, "rejoin")
+            policy = replace(self._config(rejoin.next_fault_s), name="chameleon")  # forced ones grow only when it pays too
+            decision = decide_growth(
+                self.planning.profile, plan, spares, policy=policy, planner=self.planning.planner,
+                fault_times=list(rejoin.fault_times), elapsed_s=rejoin.now_s, checkpoint_age_s=rejoin.checkpoint_age_s,
+                checkpoint_interval_s=rejoin.checkpoint_interval_s, domains=self._domains(rejoin.dead), in_process=True,
+                precomputed=self.planning.best(stage_units(plan) + spares, n_micro=plan.n_micro_batches,
+                                               micro_batch_size=plan.micro_batch_size, previous=plan),
+            )
+            new = decision.chosen.plan if decision.choice == "grow" else None
+        return None if new is None else rebuild_response(self.planning, plan, new, "rejoin")
 
 
 def refill_rerouted(plan: Plan, spares: Units) -> tuple[Plan | None, Units]:

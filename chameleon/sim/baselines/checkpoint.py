@@ -31,7 +31,7 @@ from chameleon.sim.policies import Fault, Policy, Rejoin, Response, units_of
 class CheckpointPolicy(Policy):
     """Restart from the newest checkpoint on the best even plan of the live devices."""
 
-    checkpoints = True
+    checkpoints = "blocking"
 
     def start(self) -> Plan:
         return self._even(self.setup.plan, set(self.setup.plan.devices)) or self.setup.plan
