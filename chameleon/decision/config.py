@@ -46,7 +46,7 @@ class PolicyConfig:
     mtbf_prior_s: float = 6 * 3600.0
     prior_faults: float = 2.0
     fixed_d_s: float | None = None
-    reroute_slots: str = "schedule"  # rerouted plans: the runtime's schedule, or Eq. 13 over stages: max | sum
+    reroute_slots: str = "max"  # rerouted plans: Eq. 13 over stages (max | sum), or the runtime's schedule
     dp_degrees: list[int] = field(default_factory=list)  # allowed pipeline counts; empty = all
     pp_lengths: list[int] = field(default_factory=list)  # allowed pipeline lengths; empty = 1..n_layers
     precompute: bool = True  # plan every single next fault ahead of time
