@@ -14,7 +14,8 @@ Kinds of fault, each on a device (``rank``) or a whole node (``node``):
 A fault pinned to a ``step`` and ``phase`` is fired by the victim worker itself at
 that exact point; for node faults, by the node's first device with a stage. Phases of
 a step: ``forward``, ``backward``, ``sync``, ``optimizer``, or ``any`` (a uniformly
-random moment of the step's compute, at its end at the latest, before its commit).
+random moment of the step's compute, at its end at the latest, before its commit). A device the
+plan leaves idle fires its faults of a step as that step starts.
 Phases of the recovery that resumes at ``step``: ``recovery`` (as the worker starts
 on the new generation), ``rebuild`` (between connecting its world group and its
 other groups), ``transfer`` (at round ``round`` of the state transfer, by default
@@ -235,6 +236,12 @@ class WorkerFaults:
             self._timer = threading.Timer(delay, self._fire, args=(due[0],))
             self._timer.daemon = True
             self._timer.start()
+
+    def idle_step(self, step: int) -> None:
+        """A device the plan leaves idle takes part in no phase of ``step``: its faults of that step fire as it starts."""
+        for f in self._armed():
+            if f.step == step and f.phase in STEP_PHASES:
+                self._fire(f)
 
     def step_synced(self) -> None:
         """The step's compute is over: a pending ``any`` fault fires now, before the commit."""

@@ -348,7 +348,7 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
     """
     train, plan, me = cfg["train"], gen_spec.plan, gen.me
     if state is None:
-        return _idle(gen_spec, gen=gen, control=control, steps=train["steps"])
+        return _idle(gen_spec, gen=gen, control=control, steps=train["steps"], faults=faults)
     role = role_of(plan, me)
     layout = layout_of(plan, param_shapes(model), partial(stage_param_names, model))
     rounds = sync_rounds(layout)
@@ -383,9 +383,11 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
     return None
 
 
-def _idle(gen_spec: GenerationSpec, *, gen: Generation, control: _Controller, steps: int) -> CommitOrder | None:
+def _idle(gen_spec: GenerationSpec, *, gen: Generation, control: _Controller, steps: int,
+          faults: WorkerFaults) -> CommitOrder | None:
     """A member without a stage: follow the commits until one ends the generation, or the last step."""
     for step in range(gen_spec.resume_step, steps):
+        faults.idle_step(step)
         order: CommitOrder = pickle.loads(control.await_key(commit_key(gen.generation, step), gen))
         if order.stop or order.switch_to is not None:
             return order
