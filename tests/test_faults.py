@@ -120,7 +120,9 @@ def test_a_fault_anywhere_in_a_recovery_then_another_fault(tmp_path, reference, 
     assert "during recovery" in got["recoveries"][0]["cause"]
     where = got["recoveries"][0]["where"]["5"]
     if phase != "decision":  # the controller kills it from outside, wherever it waits
-        assert where["phase"] == {"recovery": "rebuild", "redo": "forward"}.get(phase, phase), where
+        # a redo on a device the new plan left idle fires as the step starts, and the record says "idle"
+        expected = {"recovery": {"rebuild"}, "redo": {"forward", "idle"}}.get(phase, {phase})
+        assert where["phase"] in expected, where
 
 
 def test_two_stages_of_one_pipeline_lost_in_one_step(tmp_path, reference):

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 PHASES = (
     "starting", "standby", "rebuild", "transfer", "ready", "forward", "backward", "sync", "commit", "optimizer",
-    "checkpoint", "done",
+    "checkpoint", "done", "idle",
 )
 """Phases a worker reports: ``standby`` waits for a generation, ``rebuild`` connects its groups,
 ``transfer`` moves state, ``ready`` waits for the generation to start, ``commit`` waits for the
-controller to commit the synced step."""
+controller to commit the synced step, ``idle`` follows the commits of a step its plan gives it no part in."""
 
-WAITING_ON_CONTROLLER = ("starting", "standby", "ready", "commit", "done")
+WAITING_ON_CONTROLLER = ("starting", "standby", "ready", "idle", "commit", "done")
 """Phases in which a worker only waits for the controller: never a stalled worker."""
 
 NOBODY, GROUP = -1, -2  # ``waiting_on`` values: not in a communication wait; in a collective

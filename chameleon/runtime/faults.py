@@ -238,9 +238,12 @@ class WorkerFaults:
             self._timer.start()
 
     def idle_step(self, step: int) -> None:
-        """A device the plan leaves idle takes part in no phase of ``step``: its faults of that step fire as it starts."""
+        """A device the plan leaves idle takes part in no phase of ``step``: its faults of that step (and of the
+        redo, when a recovery resumes at it) fire as it starts."""
+        redo = self._generation > 0 and step == self._resume
+        self.beacon.at("idle", step=step, generation=self._generation)
         for f in self._armed():
-            if f.step == step and f.phase in STEP_PHASES:
+            if f.step == step and (f.phase in STEP_PHASES or redo and f.phase == "redo"):
                 self._fire(f)
 
     def step_synced(self) -> None:
