@@ -22,6 +22,7 @@ then registers again as a returning node.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.forkserver
 import os
@@ -200,10 +201,8 @@ class Agent:
         w = self.workers.get(order.device)
         if w is not None and w.process.is_alive():
             w.t_fault = time.time()
-            try:
+            with contextlib.suppress(ProcessLookupError):  # exited and reaped since: its exit is reported as any other
                 os.kill(w.process.pid, order.signum)
-            except ProcessLookupError:  # exited and reaped since: its exit is reported as any other
-                pass
 
     def inject(self, order: Inject) -> None:
         """Fire a fault from outside its victim: a worker's kill or hang, or this node's kill or hang."""
