@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_multinode.py [--steps 600] [--kill-step 20] [--repeats 2] [--quick]
+    python benchmarks/bench_multinode.py [--steps 600] [--kill-step 20] [--repeats 2] [--quick] [--keep DIR]
 
 The job (the tiny model, three pipelines of two stages, one per node) loses node 1 — its
 agent and both workers SIGKILLed as one process group at a random moment of step
@@ -20,6 +20,7 @@ agent registers; throughput after the re-join within 5 % of before the fault.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -81,14 +82,15 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="one repeat of 400 steps")
+    parser.add_argument("--keep", type=Path, help="run in DIR and keep every node's logs and run dir there")
     args = parser.parse_args()
     steps, repeats = (400, 1) if args.quick else (args.steps, args.repeats)
     header("3 loopback nodes × 2 workers, gloo")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory() as tmp:
         for i in range(repeats):
             workdir = Path(tmp) / f"run{i}"
-            workdir.mkdir()
+            workdir.mkdir(parents=True)
             rows.append(one_run(workdir, steps, args.kill_step))
     print("\n| repeat | node kill → first committed step (s) | detect | decide | restore | redo | chose | "
           "re-join: registered → grown plan's first commit (s) | samples/s before → after the fault → after the re-join |")

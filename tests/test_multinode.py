@@ -147,8 +147,12 @@ def test_a_node_lost_and_restarted_grows_back_and_forged_traffic_is_refused(tmp_
     run = cluster.train(restart=1, during=_forge)
     got = assert_clean(cluster, run, long_reference)
     assert [r["failed_ranks"] for r in got["recoveries"]] == [[2, 3]], "a forged exit is never acted on"
-    assert sorted(d for g in got["growths"] for d in g["devices"]) == [2, 3]
-    assert {d for line in got["plan"].splitlines() for d in line.split("on ")[1].split(",")} == {str(d) for d in range(6)}
+    (growth,) = got["growths"]
+    assert growth["devices"] == [2, 3] and growth["chosen"] == "grow"
+    # The job trains on the plan the growth chose over all six devices: on 2 shared cores it may leave some idle,
+    # never both that came back.
+    assert got["plan"] == growth["plan"]
+    assert {"2", "3"} & {d for line in growth["plan"].splitlines() for d in line.split("on ")[1].split(",")}
     refused = [e for e in events(run) if e["event"] == "refused"]
     assert len(refused) == 2, refused
     assert any("does not hold this job's secret" in e["why"] for e in refused)

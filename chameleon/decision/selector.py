@@ -12,7 +12,10 @@ restart, a reload and the progress since the newest checkpoint, or everything
 since the start when there is none (:func:`fault_cost_s`). With ``p = 0`` it is
 Eq. 8. The best feasible candidate wins; ties go to the smaller transition, then
 the name. Re-planning weighs the planner's best plan, its best with every layer
-on two pipelines, and its best on fewer devices (the rest idle).
+on two pipelines, its best on fewer devices (the rest idle) and the plans that
+ran earlier in the run on devices alive again. ``t_step`` is measured where a
+plan of the same shape ran, and estimated on the measured scale elsewhere
+(:mod:`chameleon.decision.measured`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
+from chameleon.decision.measured import Measured
 from chameleon.decision.planner import Planner, stage_units
 from chameleon.decision.profiler import Profile
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Reroute, Stage, validate_plan
@@ -278,8 +282,8 @@ IDLE_UNITS = 256  # ... on clusters of at most this many: beyond, a unit is unde
 
 
 def _finish(name: str, profile: Profile, plan: Plan, parts: dict[str, float], *, global_batch: int, d_s: float, slots: str,
-            fallback: Fallback) -> Candidate:
-    step = est.estimate_step(profile, plan, reroute_slots=slots)
+            fallback: Fallback, measured: Measured) -> Candidate:
+    t_step = measured.step_s(plan, est.estimate_step(profile, plan, reroute_slots=slots).t_step)
     peak = max(est.memory_per_device(profile, plan).values())
     transition = sum(parts.values())
     p = exposure(plan, fallback.domains)
@@ -287,12 +291,12 @@ def _finish(name: str, profile: Profile, plan: Plan, parts: dict[str, float], *,
     risk = dict(exposure=p, fault_cost_s=cost)
     if peak > profile.memory_bytes:
         return Candidate(name, False, f"needs {peak / 1e9:.1f} GB > {profile.memory_bytes / 1e9:.1f} GB per device",
-                         plan, step.t_step, transition, parts, peak, **risk)
+                         plan, t_step, transition, parts, peak, **risk)
     if d_s <= transition:
-        return Candidate(name, False, f"D = {d_s:.1f} s ≤ transition {transition:.1f} s", plan, step.t_step, transition, parts,
+        return Candidate(name, False, f"D = {d_s:.1f} s ≤ transition {transition:.1f} s", plan, t_step, transition, parts,
                          peak, **risk)
-    return Candidate(name, True, "", plan, step.t_step, transition, parts, peak, **risk,
-                     score=risk_score(global_batch=global_batch, t_step=step.t_step, transition=transition, d_s=d_s,
+    return Candidate(name, True, "", plan, t_step, transition, parts, peak, **risk,
+                     score=risk_score(global_batch=global_batch, t_step=t_step, transition=transition, d_s=d_s,
                                       exposure=p, cost_s=cost))
 
 
@@ -304,16 +308,18 @@ def _best(options: list[Candidate]) -> Candidate:
 
 def replans(planner: Planner, units: list[tuple[int, ...]], *, n_micro: int, micro_batch_size: int,
             previous: Plan | None, precomputed: Plan | None = None,
-            domains: tuple[tuple[int, ...], ...] | None = None) -> list[tuple[Plan, float]]:
+            domains: tuple[tuple[int, ...], ...] | None = None,
+            measured: Measured = Measured()) -> list[tuple[Plan, float]]:
     """The plans a re-plan onto ``units`` weighs, each with its search time.
 
     The planner's best (``precomputed`` when given), placed to move the least
     state from ``previous``; on at most :data:`IDLE_UNITS` units, its best on up to
     :data:`IDLE_OPTIONS` fewer (the last ones idle), so more devices never mean a
-    slower plan; and, when the best leaves some layer exposed to a fault of one of
+    slower plan; when the best leaves some layer exposed to a fault of one of
     ``domains`` (:func:`exposure`), its best with every layer on two pipelines,
     placed, and laid out in device order (each pipeline on neighbouring devices,
-    so a node's fault takes as few as it can).
+    so a node's fault takes as few as it can); and every plan of ``measured`` that
+    ran on devices all among ``units``.
     """
     def best(p: Planner, us: list[tuple[int, ...]], prev: Plan | None) -> list[tuple[Plan, float]]:
         try:
@@ -329,7 +335,7 @@ def replans(planner: Planner, units: list[tuple[int, ...]], *, n_micro: int, mic
             out += best(planner, ordered[:-k], previous)
     if len(units) > 1 and (not out or exposure(out[0][0], domains) > 0):
         out += best(planner.replicated, units, previous) + best(planner.replicated, ordered, None)
-    return out
+    return out + [(plan, 0.0) for plan in measured.plans_on({d for unit in units for d in unit})]
 
 
 def candidates(
@@ -345,6 +351,7 @@ def candidates(
     in_process: bool = False,
     fallback: Fallback | None = None,
     spares: list[tuple[int, ...]] = (),
+    measured: Measured = Measured(),
 ) -> list[Candidate]:
     """Every recovery candidate for ``failed`` devices of ``plan``, feasible or not (with why).
 
@@ -352,14 +359,16 @@ def candidates(
     runtime), so that candidate pays a group rebuild instead of a job restart.
     ``fallback``: what the next fault would cost (its checkpoint age and in-process
     flag are taken from the arguments above). ``spares``: live stage units
-    ``plan`` leaves idle, which a re-plan or a reload may use.
+    ``plan`` leaves idle, which a re-plan or a reload may use. ``measured``: step
+    times measured in this run.
     """
     fallback = replace(fallback or Fallback(), checkpoint_age_s=checkpoint_age_s, in_process=in_process)
     gaps = _uncovered_layers(plan, failed)
-    common = dict(global_batch=plan.global_batch, d_s=d_s, slots=slots, fallback=fallback)
+    common = dict(global_batch=plan.global_batch, d_s=d_s, slots=slots, fallback=fallback, measured=measured)
     units = stage_units(plan, failed) + list(spares)
     options = (lambda: replans(planner, units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size,
-                               previous=plan, precomputed=precomputed, domains=fallback.domains)) if units else list
+                               previous=plan, precomputed=precomputed, domains=fallback.domains,
+                               measured=measured)) if units else list
     builders = {
         "reroute": lambda: _reroute(profile, plan, failed, **common),
         "dynamic": lambda: _dynamic(profile, plan, options(), **common),
@@ -403,19 +412,19 @@ def _redundant(profile, plan, failed, **common) -> Candidate:
     return _moved("redundant", profile, plan, to, {}, **common)
 
 
-def _checkpoint(profile, plan, units, planner, *, precomputed, fallback, **common) -> Candidate:
+def _checkpoint(profile, plan, units, planner, *, precomputed, fallback, measured, **common) -> Candidate:
     if fallback.checkpoint_age_s is None:
         return Candidate("checkpoint", False, "no checkpoint exists")
     if not units:
         return Candidate("checkpoint", False, "no device survives to reload it onto")
     options = replans(planner, units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size,
-                      previous=None, precomputed=precomputed, domains=fallback.domains)
+                      previous=None, precomputed=precomputed, domains=fallback.domains, measured=measured)
     reloaded = replace(fallback, checkpoint_age_s=0.0)  # after the reload, the checkpoint is the state trained on
     out = []
     for target, _ in options:
         restart = {"rebuild": est.rebuild_time(profile, target)} if fallback.in_process else {"restart": profile.restart_s}
         parts = {**restart, "reload": est.checkpoint_time(profile, plan.n_layers), "lost_progress": fallback.checkpoint_age_s}
-        out.append(_finish("checkpoint", profile, target, parts, fallback=reloaded, **common))
+        out.append(_finish("checkpoint", profile, target, parts, fallback=reloaded, measured=measured, **common))
     return _best(out)
 
 
@@ -434,13 +443,14 @@ def decide(
     precomputed: Plan | None = None,
     in_process: bool = False,
     spares: list[tuple[int, ...]] = (),
+    measured: Measured = Measured(),
 ) -> Decision:
     """Weigh every candidate by Eq. 8 and the next fault's cost, and choose; a forced ``policy.name`` restricts the choice.
 
     ``checkpoint_interval_s`` (seconds between checkpoints, None: none scheduled)
     and ``domains`` (devices that fail together, None: each alone) feed the next
     fault's cost (:class:`Fallback`); ``spares`` are live stage units ``plan``
-    leaves idle. A forced policy that is infeasible falls back to the best
+    leaves idle; ``measured``: step times measured in this run. A forced policy that is infeasible falls back to the best
     feasible candidate, and the note says so.
     """
     if policy.name not in POLICIES + ("chameleon",):
@@ -450,7 +460,7 @@ def decide(
     cands = candidates(
         profile, plan, failed, planner=planner, d_s=d_s, slots=policy.reroute_slots,
         checkpoint_age_s=checkpoint_age_s, precomputed=precomputed, in_process=in_process, fallback=fallback,
-        spares=spares,
+        spares=spares, measured=measured,
     )
     feasible = [c for c in cands if c.feasible]
     note = ""
@@ -488,25 +498,32 @@ def decide_growth(
     domains: tuple[tuple[int, ...], ...] | None = None,
     in_process: bool = False,
     precomputed: Plan | None = None,
+    measured: Measured = Measured(),
 ) -> Decision:
     """Whether devices that came back should join: ``stay`` on ``plan`` or ``grow`` onto a re-plan over every
     stage unit (:func:`replans`), by the same reasoning as a fault (the transition against faster steps until
-    the next fault, less that fault's expected cost). Ties stay. A forced ``policy.name`` always grows back when
-    it can, as the systems it stands for heal whenever devices return.
+    the next fault, less that fault's expected cost). Ties stay. A grown plan puts to work some device ``plan``
+    leaves out (else it would be a re-plan, not a growth). A forced ``policy.name`` always grows back when it can,
+    as the systems it stands for heal whenever devices return.
 
     Args:
         joining: the returning devices as stage units (TP groups).
         precomputed: the planner's best plan over every unit, if already searched.
+        measured: step times measured in this run (the plans that ran are options too).
     """
     d_s, source = estimate_d(policy, fault_times=list(fault_times), elapsed_s=elapsed_s)
     fallback = Fallback(checkpoint_age_s, checkpoint_interval_s, elapsed_s, domains, in_process)
-    common = dict(global_batch=plan.global_batch, d_s=d_s, slots=policy.reroute_slots, fallback=fallback)
+    common = dict(global_batch=plan.global_batch, d_s=d_s, slots=policy.reroute_slots, fallback=fallback, measured=measured)
     stay = _finish("stay", profile, plan, {}, **common)
 
     def grow() -> Candidate:
         options = replans(planner, stage_units(plan) + list(joining), n_micro=plan.n_micro_batches,
-                          micro_batch_size=plan.micro_batch_size, previous=plan, precomputed=precomputed, domains=domains)
-        return _best([_moved("grow", profile, plan, new, {"search": search_s}, **common) for new, search_s in options])
+                          micro_batch_size=plan.micro_batch_size, previous=plan, precomputed=precomputed, domains=domains,
+                          measured=measured)
+        working = [(new, search_s) for new, search_s in options if set(new.devices) - set(plan.devices)]
+        if not working:
+            raise PlanError("no plan puts a device back to work that the running plan leaves out")
+        return _best([_moved("grow", profile, plan, new, {"search": search_s}, **common) for new, search_s in working])
 
     cands = (stay, _built("grow", grow))
     feasible = [c for c in cands if c.feasible and (policy.name == "chameleon" or c.name == "grow")] or [stay]

@@ -39,6 +39,7 @@ from tqdm import tqdm
 from chameleon.config import model_config, world_size
 from chameleon.data.stream import sample_ids_digest
 from chameleon.decision.config import ClusterConfig, PolicyConfig
+from chameleon.decision.measured import Measured, plan_shape
 from chameleon.decision.planner import Planner, precompute_single_faults
 from chameleon.decision.profiler import load_profile
 from chameleon.decision.selector import Decision
@@ -68,6 +69,7 @@ TICK_S = 0.01
 ALIVE_EVERY_S = 0.5
 REAP_S = 30.0
 GROW_SETTLE_S = 0.5  # wait for more returning devices this long after the last one
+STEADY_AFTER = 2  # a generation's first steps (restore, warm-up) are left out of its plan's measured step time
 FIRED_FILE = "faults_fired.json"
 NODE_LOCAL_KEYS = ("launcher.node_rank", "launcher.node_addr", "output", "report")  # may differ between nodes
 
@@ -124,12 +126,13 @@ class Growth:
     t_started: float = 0.0
     t_first_commit: float = 0.0
     decision: dict = field(default_factory=dict)
+    plan: str = ""  # the grown plan, described
     manifest_bytes: int = 0
     estimated_step_s: float = 0.0
 
     def record(self) -> dict:
         return {
-            "devices": self.devices, "chosen": self.decision.get("choice"),
+            "devices": self.devices, "chosen": self.decision.get("choice"), "plan": self.plan,
             "decide_s": self.t_decided - self.t_back, "switch_wait_s": self.t_switch - self.t_decided,
             "restore_s": self.t_started - self.t_switch, "first_step_s": self.t_first_commit - self.t_started,
             "total_s": self.t_first_commit - self.t_back, "manifest_bytes": self.manifest_bytes,
@@ -206,6 +209,7 @@ class Controller:
         self.saved = SavedState(start.committed_steps, time.time() - start.age_s, Path(resume)) if start else None
         self.losses: dict[int, float] = {}
         self.step_times: dict[int, float] = {}
+        self.ran: dict[tuple, tuple[Plan, list[float]]] = {}  # by plan shape: the plan and its steady step times
         self.step_ids: dict[int, tuple[int, ...]] = {}
         self.commit_times: dict[int, float] = {}
         self.recoveries: list[Recovery] = []
@@ -554,6 +558,7 @@ class Controller:
     def _commit(self, c: CommitStep) -> None:
         """Let workers apply the step, with the order for what follows; log it."""
         order, committed_in = CommitOrder(), self.generation
+        steady = self.spec.plan is self.resident and c.step >= self.spec.resume_step + STEADY_AFTER
         if self.preempt and not self.stopping and not self.ledger.finished:
             order, self.stopping = CommitOrder(save=True, stop=True), True
             self._say(f"chameleon: SIGTERM: saving a checkpoint after step {c.step}, then stopping")
@@ -565,6 +570,8 @@ class Controller:
         self.last_commit = self.last_progress = now_m
         batch = self.train["global_batch"]
         self.losses[c.step], self.step_times[c.step], self.step_ids[c.step] = c.loss, dt, c.sample_ids
+        if steady:
+            self.ran.setdefault(plan_shape(self.resident), (self.resident, []))[1].append(dt)
         self.commit_times[c.step] = now
         self.metrics.write({
             "step": c.step, "loss": c.loss, "samples_per_s": batch / dt, "tokens_per_s": batch * self.train["seq_len"] / dt,
@@ -634,7 +641,7 @@ class Controller:
         transition = self.coordinator.recover(
             self.resident, alive=self.alive, next_step=step, saved=self.saved, now=time.time(),
             fault_times=self.fault_times, elapsed_s=t_detect - self.t0, precomputed=self._precomputed_for(devices),
-            fresh=None if self.t_train is not None else self.config["ckpt"]["resume"] or "",
+            fresh=None if self.t_train is not None else self.config["ckpt"]["resume"] or "", measured=self._measured(),
         )
         rec = self.pending
         rec.t_decided, rec.decision = time.time(), transition.decision.to_dict()
@@ -751,7 +758,12 @@ class Controller:
         self.growth = (self.resident, joining, self.pool.submit(
             self.coordinator.grow, self.resident, alive=set(self.alive), joining=set(joining),
             fault_times=list(self.fault_times), elapsed_s=time.time() - self.t0, saved=self.saved, now=time.time(),
+            measured=self._measured(),
         ))
+
+    def _measured(self) -> Measured:
+        """The step times measured so far, and the estimator's scale on the plan running now."""
+        return Measured.of(self.ran.values(), self.resident, self.coordinator.step_estimate(self.resident))
 
     def _ripe_growth(self) -> Transition | None:
         """A decided growth, if it is ready and still stands (same plan, same devices back)."""
@@ -770,7 +782,7 @@ class Controller:
             self._say(f"chameleon: devices {sorted(joining)} are back; growing does not pay now\n{outcome.table()}")
             return None
         self.growing = Growth(sorted(joining), t_back, t_decided=time.time(), decision=outcome.decision.to_dict(),
-                              estimated_step_s=outcome.estimated_step_s,
+                              plan=outcome.plan.describe(), estimated_step_s=outcome.estimated_step_s,
                               manifest_bytes=outcome.manifest.wire_bytes if outcome.manifest else 0)
         return outcome
 

@@ -14,6 +14,7 @@ from chameleon.decision.estimator import estimate_step
 from chameleon.decision.planner import Planner
 from chameleon.decision.profiler import Profile
 from chameleon.decision.config import PolicyConfig
+from chameleon.decision.measured import Measured
 from chameleon.decision.selector import Decision, decide, decide_growth
 from chameleon.layout.plan import Plan
 from chameleon.layout.relayout import Manifest, relayout
@@ -75,6 +76,7 @@ class Coordinator:
     def recover(
         self, resident: Plan, *, alive: set[int], next_step: int, saved: SavedState | None, now: float,
         fault_times: list[float], elapsed_s: float, precomputed: Plan | None, fresh: str | None = None,
+        measured: Measured = Measured(),
     ) -> Transition:
         """The generation after losing every device of ``resident`` not in ``alive``.
 
@@ -89,7 +91,7 @@ class Coordinator:
         decision = decide(
             self.profile, resident, failed, policy=self.policy, planner=self.planner, precomputed=precomputed,
             fault_times=fault_times, elapsed_s=elapsed_s, spares=_units(resident, alive - set(resident.devices)),
-            **self._fallback(resident, saved, now),
+            measured=measured, **self._fallback(resident, saved, now),
         )
         chosen = decision.chosen
         if chosen is None:
@@ -108,14 +110,15 @@ class Coordinator:
                     domains=self.domains, in_process=True)
 
     def grow(self, resident: Plan, *, alive: set[int], joining: set[int], fault_times: list[float], elapsed_s: float,
-             saved: SavedState | None = None, now: float = 0.0) -> Transition | Decision:
+             saved: SavedState | None = None, now: float = 0.0, measured: Measured = Measured()) -> Transition | Decision:
         """The grown generation when taking ``joining`` devices in pays (Eq. 8), else the decision to stay.
 
         Its ``resume_step`` is left to the caller: the step after the commit it switches at.
         """
         units = _units(resident, joining | (alive - set(resident.devices)))
         decision = decide_growth(self.profile, resident, units, policy=self.policy, planner=self.planner,
-                                 fault_times=fault_times, elapsed_s=elapsed_s, **self._fallback(resident, saved, now))
+                                 fault_times=fault_times, elapsed_s=elapsed_s, measured=measured,
+                                 **self._fallback(resident, saved, now))
         if decision.choice != "grow":
             return decision
         members = alive | set(d for unit in units for d in unit)
