@@ -117,7 +117,7 @@ class CheckpointConfig:
 
 @dataclass
 class OutputConfig:
-    progress: bool = True  # a progress bar on stderr
+    progress: bool = True  # a progress bar on stderr, when it is a terminal
     save_params: bool = True  # final_params.pt in the run dir
     export_hf: bool = False  # also hf/ in the run dir: the trained weights as a Hugging Face Llama checkpoint
 

@@ -263,7 +263,7 @@ class Controller:
         self.metrics = JsonLines(self.run_dir / "metrics.jsonl")
         self.events = JsonLines(self.run_dir / "events.jsonl")
         self.bar = tqdm(total=self.train["steps"], initial=self.first_step, desc="train", unit="step",
-                        disable=not self.config["output"]["progress"], leave=False)
+                        disable=None if self.config["output"]["progress"] else True, leave=False)  # None: only on a terminal
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             if self.resumed_from is not None:

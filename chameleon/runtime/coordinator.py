@@ -44,11 +44,15 @@ class Transition:
     resume_step: int | None
     manifest: Manifest | None
     checkpoint: str | None
-    estimated_step_s: float
 
     @property
     def transition_s(self) -> float:
         return self.decision.chosen.transition if self.decision.chosen else 0.0
+
+    @property
+    def estimated_step_s(self) -> float:
+        """The step time the selector scored the plan by: measured where its shape ran, else estimated."""
+        return self.decision.chosen.t_step
 
 
 class Coordinator:
@@ -127,8 +131,7 @@ class Coordinator:
         return self._transition(decision, plan, members, None, manifest, None)
 
     def _transition(self, decision, plan, members, resume_step, manifest, checkpoint) -> Transition:
-        return Transition(decision, plan, tuple(sorted(members)), resume_step, manifest, checkpoint,
-                          self.step_estimate(plan))
+        return Transition(decision, plan, tuple(sorted(members)), resume_step, manifest, checkpoint)
 
 
 def _units(plan: Plan, devices: set[int]) -> list[tuple[int, ...]]:
