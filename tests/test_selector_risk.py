@@ -11,7 +11,8 @@ from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.planner import Planner
 from chameleon.decision.selector import (
-    Fallback, decide, decide_growth, expected_age, exposure, fault_cost_s, reroute_plan, risk_score, score,
+    Fallback, _uncovered_layers, decide, decide_growth, expected_age, exposure, fault_cost_s, reroute_plan, risk_score,
+    score,
 )
 from chameleon.layout.plan import even_plan
 from tests.test_decision_estimator import tiny_profile
@@ -50,6 +51,25 @@ def test_exposure_counts_the_domains_whose_loss_leaves_a_layer_bare():
     assert exposure(two, ((0, 2), (1,), (3,))) == pytest.approx(1 / 3)
     rerouted = reroute_plan(two, {0})  # stage 0 now lives on device 2 alone
     assert exposure(rerouted, None) == pytest.approx(1 / 3)
+
+
+def test_exposure_agrees_with_counting_the_uncovered_layers_of_every_domain():
+    """The per-domain count-down equals the definition: each domain's uncovered layers derived from scratch."""
+    rng = np.random.default_rng(0)
+    evens = [even_plan(dp=dp, pp=pp, tp=tp, n_layers=8, global_batch=8 * dp, micro_batch=1)
+             for dp, pp, tp in ((1, 2, 1), (2, 2, 1), (2, 3, 2), (3, 4, 1), (4, 2, 1))]
+    rerouted = [reroute_plan(p, set(p.pipelines[0].stages[-1].devices)) for p in evens if p.dp > 1]
+    seen = set()
+    for plan in evens + rerouted:
+        order = [int(d) for d in rng.permutation(list(plan.devices))]
+        for size in (1, 2, 3):
+            domains = tuple(tuple(order[i:i + size]) for i in range(0, len(order), size))
+            for given in (None, domains):
+                groups = [(d,) for d in plan.devices] if given is None else given
+                expected = sum(bool(_uncovered_layers(plan, set(g))) for g in groups) / len(groups)
+                assert exposure(plan, given) == pytest.approx(expected)
+                seen.add(expected)
+    assert len(seen) > 1, "the cases cover exposed and safe plans alike"
 
 
 def test_fault_cost_is_a_reload_and_the_rolled_back_progress_or_the_whole_run():

@@ -156,21 +156,33 @@ def expected_age(age_s: float, interval_s: float | None, d_s: float) -> float:
 
 
 def exposure(plan: Plan, domains: tuple[tuple[int, ...], ...] | None) -> float:
-    """Share of ``domains`` (None: each device of ``plan``) whose loss leaves some layer of ``plan`` with no replica."""
+    """Share of ``domains`` (None: each device of ``plan``) whose loss leaves some layer of ``plan`` with no replica.
+
+    A domain wipes a layer when it touches every stage holding it; each domain only
+    counts down the layers of the stages it touches, so large plans stay cheap.
+    """
     groups = [(d,) for d in plan.devices] if domains is None else [g for g in domains if g]
     if not groups:
         return 0.0
-    widest = max(len(g) for g in groups)
-    holders: dict[tuple[int, int], list[set[int]]] = {}
-    for p in plan.pipelines:
-        for st in p.stages:
-            if st.devices:
-                holders.setdefault(st.layers, []).append(set(st.devices))
-    # Stages hold disjoint devices, so a domain can wipe only layers held by at most ``widest`` stages.
-    thin = [stages for stages in holders.values() if len(stages) <= widest]
-    if not thin:
-        return 0.0
-    return sum(bool(_uncovered_layers(plan, set(g))) for g in groups) / len(groups)
+    held = [st.layers for p in plan.pipelines for st in p.stages if st.devices]
+    stage_of = {d: k for k, st in enumerate(st for p in plan.pipelines for st in p.stages if st.devices) for d in st.devices}
+    replicas = [0] * plan.n_layers
+    for layers in held:
+        for layer in range(*layers):
+            replicas[layer] += 1
+    if 0 in replicas:
+        return 1.0
+
+    def wipes(group: tuple[int, ...]) -> bool:
+        left = list(replicas)
+        for k in {stage_of[d] for d in group if d in stage_of}:
+            for layer in range(*held[k]):
+                left[layer] -= 1
+                if not left[layer]:
+                    return True
+        return False
+
+    return sum(wipes(g) for g in groups) / len(groups)
 
 
 def fault_cost_s(profile: Profile, plan: Plan, fallback: Fallback, d_s: float) -> float:
