@@ -54,6 +54,7 @@ from chameleon.runtime.transfer import execute_manifest
 
 HEARTBEAT_S = 0.1
 POLL_S = 0.0005
+IDLE_POLL_S = 0.02  # a member without a stage has no step to start: it polls the store less, leaving the cores to trainers
 LIVENESS_CHECK_S = 1.0
 
 
@@ -198,8 +199,8 @@ class _Controller:
         elif now - self._alive_seen > self.timeout_s:
             raise ControllerLost(f"no word from the controller for {self.timeout_s:.0f} s")
 
-    def await_key(self, key: str, gen: Generation) -> bytes:
-        """Wait for ``key``; a fault flagged first raises, unless ``key`` was set before it."""
+    def await_key(self, key: str, gen: Generation, *, poll_s: float = POLL_S) -> bytes:
+        """Wait for ``key``, polling every ``poll_s``; a fault flagged first raises, unless ``key`` was set before it."""
         while not self.check([key]):
             try:
                 gen.check()
@@ -208,7 +209,7 @@ class _Controller:
                     break
                 raise
             self.alive()
-            time.sleep(POLL_S)
+            time.sleep(poll_s)
         return self.get(key)
 
     def next_spec(self, after: int, me: int, *, was_member: bool, standby) -> GenerationSpec | None:
@@ -233,7 +234,7 @@ class _Controller:
                     announced = True
                 after = latest + 1
             self.alive()
-            time.sleep(POLL_S * 10)
+            time.sleep(POLL_S * 10 if was_member else IDLE_POLL_S)  # a survivor's restore waits on it; a spare's does not
 
 
 def _run(spec: WorkerSpec, uplink: _Uplink, beacon: Beacon) -> None:
@@ -388,7 +389,7 @@ def _idle(gen_spec: GenerationSpec, *, gen: Generation, control: _Controller, st
     """A member without a stage: follow the commits until one ends the generation, or the last step."""
     for step in range(gen_spec.resume_step, steps):
         faults.idle_step(step)
-        order: CommitOrder = pickle.loads(control.await_key(commit_key(gen.generation, step), gen))
+        order: CommitOrder = pickle.loads(control.await_key(commit_key(gen.generation, step), gen, poll_s=IDLE_POLL_S))
         if order.stop or order.switch_to is not None:
             return order
     return None
