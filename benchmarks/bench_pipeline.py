@@ -3,7 +3,7 @@
 Run: ``python benchmarks/bench_pipeline.py [--layouts 2x2 1x4] [--rounds 4] [--steps 10] [--profile]``.
 
 Both run in the same gloo worker processes, on the same model (the functional Llama
-of ``chameleon.model.llama``), the same initial parameters and the same samples,
+of the model spec, ``chameleon.model.spec``), the same initial parameters and the same samples,
 alternating A, B, A, B (``--rounds`` pairs of ``--warmup`` + ``--steps`` steps each):
 
 - **ours**: the worker's data path — ``step_actions`` once, then per step ``run_step``
@@ -38,14 +38,8 @@ from chameleon.data.stream import SampleStream, micro_batch_samples
 from chameleon.layout.colouring import sync_rounds
 from chameleon.layout.plan import Plan, even_plan, micro_batch_ranges
 from chameleon.layout.schedule import step_actions
-from chameleon.layout.spec import layout_of
 from chameleon.model.config import ModelConfig
-from chameleon.model.llama import (
-    init_params,
-    param_shapes,
-    stage_forward,
-    stage_param_names,
-)
+from chameleon.model.spec import spec_of
 from chameleon.runtime.comm import Generation, connect_store
 from chameleon.runtime.schedule import run_step
 from chameleon.runtime.stage import StageState, role_of
@@ -66,7 +60,7 @@ class FunctionalStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = {n: self.params[k] for n, k in self.names.items()}
-        return stage_forward(params, self.model, x, layers=self.layers, first=self.first, last=self.last)
+        return spec_of(self.model).stage_forward(params, self.model, x, layers=self.layers, first=self.first, last=self.last)
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -83,8 +77,9 @@ def _worker(rank: int, world: int, store, model: ModelConfig, train: dict, plan:
     dist.init_process_group("gloo", store=dist.PrefixStore("plain", store), rank=rank, world_size=world)
     pipe_groups = [dist.new_group(list(p.devices)) for p in plan.pipelines]
     dp_groups = [dist.new_group([p.stages[s].devices[0] for p in plan.pipelines]) for s in range(role.n_stages)]
-    names = stage_param_names(model, stage.layers, first=first, last=last)
-    module = FunctionalStage(init_params(model, train["seed"], names=names), model, layers=stage.layers, first=first, last=last)
+    spec = spec_of(model)
+    names = spec.stage_param_names(model, stage.layers, first=first, last=last)
+    module = FunctionalStage(spec.init_params(model, train["seed"], names=names), model, layers=stage.layers, first=first, last=last)
     pstage = PipelineStage(module, role.stage, role.n_stages, CPU, group=pipe_groups[role.pipeline])
     schedule = Schedule1F1B(pstage, n_microbatches=plan.pipelines[role.pipeline].micro_batches, loss_fn=_loss)
     plain_params = list(module.parameters())
@@ -117,7 +112,7 @@ def _worker(rank: int, world: int, store, model: ModelConfig, train: dict, plan:
         adamw.zero_grad(set_to_none=True)
 
     # Ours: the worker's data path over one Generation.
-    layout = layout_of(plan, param_shapes(model), partial(stage_param_names, model))
+    layout = spec.layout(model, plan)
     rounds = sync_rounds(layout)
     gen = Generation(store, connect_store=partial(connect_store, HOST, store.port, timeout_s=TIMEOUT_S), generation=0,
                      devices=plan.devices, me=rank, backend="gloo", timeout_s=TIMEOUT_S,

@@ -30,9 +30,9 @@ from _common import HOST, TIMEOUT_S, Timings, compare, header, launch, timed
 from chameleon.config import TrainConfig
 from chameleon.layout.colouring import sync_groups, sync_rounds
 from chameleon.layout.plan import Plan, plan_from_spec, split_layers
-from chameleon.layout.spec import Layout, layout_of
+from chameleon.layout.spec import Layout
 from chameleon.model.config import ModelConfig
-from chameleon.model.llama import param_count, param_shapes, stage_param_names
+from chameleon.model.spec import spec_of
 from chameleon.runtime.comm import Generation, connect_store
 from chameleon.runtime.schedule import sync_gradients
 from chameleon.runtime.stage import StageState, role_of
@@ -52,7 +52,7 @@ def layer_units(layout: Layout) -> list[tuple[tuple[int, ...], tuple[str, ...]]]
 
 def _worker(rank: int, world: int, store, model: ModelConfig, plan: Plan, args) -> dict:
     dist.init_process_group("gloo", store=dist.PrefixStore("barrier", store), rank=rank, world_size=world)
-    layout = layout_of(plan, param_shapes(model), partial(stage_param_names, model))
+    layout = spec_of(model).layout(model, plan)
     rounds = sync_rounds(layout)
     units = layer_units(layout)
     gen = Generation(store, connect_store=partial(connect_store, HOST, store.port, timeout_s=TIMEOUT_S), generation=0,
@@ -122,14 +122,14 @@ def main() -> None:
         world = len(plan.devices)
         for dim in args.dims:
             model = ModelConfig(dim=dim, n_layers=args.n_layers, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
-            layout = layout_of(plan, param_shapes(model), partial(stage_param_names, model))
+            layout = spec_of(model).layout(model, plan)
             n_groups, n_rounds = len(sync_groups(layout)), len(sync_rounds(layout))
             n_units = sum(len(d) > 1 for d, _ in layer_units(layout))
             out = launch(_worker, world, model, plan, args)
             wall, cpu, blocks = compare([r["times"] for r in out], "coloured", "per layer")
             col, lay = wall["coloured"], wall["per layer"]
             mb = max(r["elems"] for r in out) * 4 / 2**20
-            print(f"{spec:>5} {world:>5} {dim:>4} {param_count(model) / 1e6:>6.2f}M {mb:>10.1f} "
+            print(f"{spec:>5} {world:>5} {dim:>4} {spec_of(model).param_count(model) / 1e6:>6.2f}M {mb:>10.1f} "
                   f"{f'{n_groups}/{n_rounds}':>14} {n_units:>9} {col:>11.1f} {lay:>12.1f} {col / lay:>9.3f}  "
                   f"{cpu['coloured'] / cpu['per layer']:>9.3f}  {blocks:<22} {all(r['same'] for r in out)}", flush=True)
 

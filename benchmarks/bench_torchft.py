@@ -89,8 +89,8 @@ def _worker(group: int, rank: int, case: Case, lighthouse: str, store_port: int,
     from torch.distributed import PrefixStore, TCPStore
 
     from chameleon.data.stream import SampleStream
-    from chameleon.model import llama
     from chameleon.model.config import ModelConfig
+    from chameleon.model.spec import spec_of
 
     torch.set_num_threads(1)
     noise = os.open(f"{log}.g{group}r{rank}i{incarnation}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
@@ -102,8 +102,9 @@ def _worker(group: int, rank: int, case: Case, lighthouse: str, store_port: int,
     per_stage = n_layers // stages
     layers = (rank * per_stage, (rank + 1) * per_stage)
     first, last = rank == 0, rank == stages - 1
-    names = llama.stage_param_names(model, layers, first=first, last=last)
-    params = {k: v.requires_grad_() for k, v in llama.init_params(model, train["seed"], names=names).items()}
+    spec = spec_of(model)
+    names = spec.stage_param_names(model, layers, first=first, last=last)
+    params = {k: v.requires_grad_() for k, v in spec.init_params(model, train["seed"], names=names).items()}
     opt = torch.optim.AdamW(params.values(), lr=train["lr"], betas=(train["beta1"], train["beta2"]), eps=train["eps"],
                             weight_decay=train["weight_decay"])
     store = TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
@@ -156,11 +157,12 @@ def _forward_backward(params, model, batches, layers, first, last, rank, stages,
     """GPipe over point-to-point: every micro-batch forward, then every one backward; loss averaged over the group's tokens."""
     import torch.distributed as dist
 
-    from chameleon.model import llama
+    from chameleon.model.spec import spec_of
 
+    forward = spec_of(model).stage_forward
     if stages == 1:
         for x, y in batches:
-            loss = llama.stage_forward(params, model, x, layers=layers, first=True, last=True, targets=y)
+            loss = forward(params, model, x, layers=layers, first=True, last=True, targets=y)
             (loss / tokens).backward()
         return
     shape = (batches[0][0].shape[0], batches[0][0].shape[1], model.dim)
@@ -170,7 +172,7 @@ def _forward_backward(params, model, batches, layers, first, last, rank, stages,
         if not first:
             dist.recv(h, rank - 1)
             h.requires_grad_()
-        out = llama.stage_forward(params, model, h, layers=layers, first=first, last=last, targets=y if last else None)
+        out = forward(params, model, h, layers=layers, first=first, last=last, targets=y if last else None)
         if not last:
             dist.send(out.detach(), rank + 1)
         outs.append((h, out))

@@ -232,6 +232,7 @@ def validate(cfg: DictConfig) -> Plan:
     for key in ("steps", "global_batch", "micro_batch", "seq_len"):
         _check(train[key] >= 1, f"train.{key}={train[key]}: must be ≥ 1")
     _check(train.lr > 0, f"train.lr={train.lr}: must be > 0")
+    _check_arch(model_config(cfg))
     _check_training_keys(cfg)
     for key in ("dp", "pp", "tp"):
         _check(par[key] >= 1, f"parallel.{key}={par[key]}: must be ≥ 1")
@@ -321,7 +322,7 @@ def _check_data(path: str | None, *, seq_len: int) -> None:
 
 def _check_resume(resume: str, model: ModelConfig) -> None:
     """Refuse a checkpoint root with no whole, readable checkpoint of this model."""
-    from chameleon.model.llama import param_shapes
+    from chameleon.model.spec import spec_of
     from chameleon.runtime.checkpoint import CheckpointError, latest_checkpoint, verify_checkpoint
 
     root = Path(resume).expanduser()
@@ -329,14 +330,24 @@ def _check_resume(resume: str, model: ModelConfig) -> None:
     try:
         info = latest_checkpoint(root)
         _check(info is not None, f"ckpt.resume={resume} holds no complete checkpoint: give a root with a COMPLETE one")
-        verify_checkpoint(info, param_shapes(model))
+        verify_checkpoint(info, spec_of(model).param_shapes(model))
     except CheckpointError as err:
         raise ConfigError(f"ckpt.resume={resume}: {err}") from None
 
 
+def _check_arch(model: ModelConfig) -> None:
+    """Refuse a ``model.arch`` that names no architecture."""
+    from chameleon.model.spec import spec_of
+
+    try:
+        spec_of(model)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def _check_training_keys(cfg: DictConfig) -> None:
     """Precision, clipping, schedule, initial weights, export and report keys."""
-    from chameleon.model.hf import HFCheckpointError, check_hf, hf_checkpoint
+    from chameleon.model.hf import HFCheckpointError, check_hf, hf_checkpoint, require_llama
 
     train = cfg.train
     _check(train.dtype in ("fp32", "bf16"), f"train.dtype={train.dtype!r}: use fp32 or bf16")
@@ -349,6 +360,8 @@ def _check_training_keys(cfg: DictConfig) -> None:
     _check(not cfg.report.tensorboard or importlib.util.find_spec("tensorboard") is not None,
            "report.tensorboard=true needs the tensorboard package: pip install 'chameleon[tensorboard]'")
     try:
+        if cfg.output.export_hf:
+            require_llama(model_config(cfg), "output.export_hf")
         source = hf_checkpoint(cfg.model.init)
         if source is not None:
             check_hf(source, model_config(cfg))
@@ -383,10 +396,11 @@ def _check(ok: bool, message: str) -> None:
 def _check_memory(cfg: DictConfig, plan: Plan) -> None:
     """Refuse plans whose per-device state cannot fit; say how to shrink."""
     from chameleon.layout.memory import plan_memory
-    from chameleon.model.llama import memory_costs
+    from chameleon.model.spec import spec_of
     from chameleon.runtime.memory import device_memory_bytes
 
-    costs = memory_costs(model_config(cfg), micro_batch=plan.micro_batch_size, seq_len=cfg.train.seq_len,
+    model = model_config(cfg)
+    costs = spec_of(model).memory_costs(model, micro_batch=plan.micro_batch_size, seq_len=cfg.train.seq_len,
                          dtype=cfg.train.dtype)
     need = plan_memory(costs, plan)
     try:

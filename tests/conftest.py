@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from benchmarks._processes import lingering
 from chameleon.report.compare import Drift, mismatches
@@ -51,6 +55,31 @@ def run_entry(entry: str, run_dir: Path, *overrides: str, timeout: float = 240, 
         out, err = proc.communicate()
         raise AssertionError(f"{' '.join(cmd)} did not finish within {timeout} s:\n{err[-4000:]}") from None
     return Run(proc.returncode, out, err, run_dir, proc.pid)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(target: Callable[..., None], world: int, *args, timeout_s: float = 90) -> None:
+    """``target(rank, world, port, *args)`` in ``world`` spawned processes (``port`` free for their process group);
+    each must exit 0 within ``timeout_s``."""
+    port, ctx = free_port(), mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert [p.exitcode for p in procs] == [0] * world
 
 
 def assert_nothing_lost(run: Run, reference: Run, *, drift: Drift = Drift()) -> dict:

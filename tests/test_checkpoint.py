@@ -14,7 +14,7 @@ from chameleon.layout.plan import Pipeline, Plan, Stage, even_plan, plan_from_sp
 from chameleon.layout.relayout import LostStateError
 from chameleon.layout.spec import Layout, TensorSpec, device_holdings, layout_of
 from chameleon.model.config import ModelConfig
-from chameleon.model.llama import param_shapes, stage_param_names
+from chameleon.model.llama import TP_RULES, param_shapes, stage_param_names
 from chameleon.runtime.checkpoint import (
     CheckpointError,
     CheckpointWriter,
@@ -33,7 +33,7 @@ KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
 def layout(plan: Plan) -> Layout:
-    return layout_of(plan, SHAPES, partial(stage_param_names, CFG))
+    return layout_of(plan, SHAPES, partial(stage_param_names, CFG), rules=TP_RULES)
 
 
 def even(*, dp: int, pp: int, tp: int) -> Layout:

@@ -190,12 +190,9 @@ def test_sync_rounds_are_the_runtimes(seed):
     The first case, pipelines [2, 2] and [1, 2, 1], is one the greedy colouring the
     estimator once had put in 3 rounds where the runtime runs 2.
     """
-    from functools import partial
-
     from chameleon.layout.colouring import sync_rounds
     from chameleon.layout.plan import plan_from_spec
-    from chameleon.layout.spec import layout_of
-    from chameleon.model.llama import param_shapes, stage_param_names
+    from chameleon.model.llama import LLAMA
 
     rng = random.Random(seed)
     n_layers, tp = rng.randint(3, 7), 1 + seed % 2
@@ -207,13 +204,13 @@ def test_sync_rounds_are_the_runtimes(seed):
         prof, model = tiny_profile(n_layers=4), replace(model, n_layers=4)
     else:
         plan = _random_uneven_plan(rng, n_layers, tp)
-    shapes = param_shapes(model)
-    rounds = sync_rounds(layout_of(plan, shapes, partial(stage_param_names, model)))
+    rounds = sync_rounds(LLAMA.layout(model, plan))
     seconds, n_rounds = est.sync_time(prof, plan)
     assert n_rounds == len(rounds)
     if seed == 0:
         assert n_rounds == 2
     if tp == 1:
+        shapes = LLAMA.param_shapes(model)
         numel = lambda names: sum(math.prod(shapes[n]) for n in names)  # noqa: E731
         expected = sum(max(est.allreduce_time(prof, len(g.devices), numel(g.names)) for g in r) for r in rounds)
         assert seconds == pytest.approx(expected)

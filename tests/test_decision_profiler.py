@@ -23,7 +23,7 @@ def test_measured_profile_is_real_and_cached(tmp_path):
     assert "1 threads" in prof.source and prof.host_cores == len(os.sched_getaffinity(0))
     assert prof.layer_fwd_s > 0 and prof.layer_bwd_s > 0 and prof.last_fwd_s > 0
     layer_names = llama.stage_param_names(model, (0, 1), first=False, last=False)
-    assert prof.layer_params == llama.param_bytes(model, layer_names, bytes_per_elem=1)
+    assert prof.layer_params == llama.LLAMA.param_bytes(model, layer_names, bytes_per_elem=1)
     assert prof.layer_act_bytes >= 2 * 16 * 32 * 4  # at least the layer input is kept
     assert prof.p2p_bw > 0 and prof.dp_bw > 0 and prof.group_create_s > 0
     assert prof.background_procs >= 0 and 0 < prof.commit_s < 1
@@ -46,7 +46,7 @@ def test_analytic_llama7b_on_a100():
                             memory_gb=80.0, hbm_gbps=2039.0, intra_gbps=300.0, inter_gbps=25.0)
     prof = analytic_profile(model, cluster, micro_batch=1, seq_len=4096, tp=1)
     total = 32 * prof.layer_params + prof.first_params + prof.last_params
-    assert total == llama.param_count(model) == pytest.approx(6.74e9, rel=0.01)
+    assert total == llama.LLAMA.param_count(model) == pytest.approx(6.74e9, rel=0.01)
     tokens = 4096
     assert prof.layer_fwd_s == pytest.approx((2 * prof.layer_params * tokens + 2 * tokens * 4096 * 4096) / 156e12)
     assert prof.layer_bwd_s == pytest.approx(2 * prof.layer_fwd_s)

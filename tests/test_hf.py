@@ -10,7 +10,7 @@ import torch
 from chameleon.data.stream import SampleStream
 from chameleon.model.config import ModelConfig
 from chameleon.model.hf import HFCheckpointError, check_hf, export_hf, load_hf, model_overrides
-from chameleon.model.llama import full_forward_loss, init_params, stage_forward
+from chameleon.model.llama import LLAMA, stage_forward
 from conftest import run_entry
 
 transformers = pytest.importorskip("transformers", reason="the round trip needs transformers (pip install '.[test]')")
@@ -59,7 +59,7 @@ def test_loaded_weights_give_transformers_logits(hf_dir):
 
 
 def test_exported_weights_give_our_logits_in_transformers(tmp_path):
-    params = init_params(CFG, 7)
+    params = LLAMA.init_params(CFG, 7)
     model = transformers.LlamaForCausalLM.from_pretrained(export_hf(params, CFG, tmp_path / "out")).eval()
     with torch.no_grad():
         got = model(TOKENS).logits
@@ -99,7 +99,7 @@ def test_training_starts_from_and_exports_hugging_face_weights(tmp_path, hf_dir)
     exported = transformers.LlamaForCausalLM.from_pretrained(run.run_dir / "hf").eval()
     with torch.no_grad():
         assert relative(exported(TOKENS).logits, logits(final, TOKENS)) <= TOLERANCE
-    assert full_forward_loss(final, CFG, tokens, targets).item() / targets.numel() < expected  # it trained
+    assert LLAMA.full_forward_loss(final, CFG, tokens, targets).item() / targets.numel() < expected  # it trained
 
 
 def test_bad_init_is_a_one_line_config_error(tmp_path):

@@ -22,7 +22,7 @@ from chameleon.layout.spec import (
     shard_region,
 )
 from chameleon.model.config import ModelConfig
-from chameleon.model.llama import param_shapes, stage_param_names
+from chameleon.model.llama import TP_RULES, param_shapes, stage_param_names
 
 CFG = ModelConfig(dim=16, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=20, multiple_of=8)
 SHAPES = param_shapes(CFG)
@@ -30,7 +30,7 @@ NAMES = partial(stage_param_names, CFG)
 
 
 def layout(plan: Plan):
-    return layout_of(plan, SHAPES, NAMES)
+    return layout_of(plan, SHAPES, NAMES, rules=TP_RULES)
 
 
 def true_holders(plan: Plan, name: str, t: int) -> set[int]:
@@ -49,16 +49,16 @@ def true_holders(plan: Plan, name: str, t: int) -> set[int]:
 
 
 def test_rules_give_megatron_placements():
-    assert placements_for("layers.3.attention.wq") == (Shard(0),)
-    assert placements_for("layers.3.attention.wk") == (Shard(0),)
-    assert placements_for("layers.3.feed_forward.w3") == (Shard(0),)
-    assert placements_for("layers.3.attention.wo") == (Shard(1),)
-    assert placements_for("layers.3.feed_forward.w2") == (Shard(1),)
+    assert placements_for("layers.3.attention.wq", rules=TP_RULES) == (Shard(0),)
+    assert placements_for("layers.3.attention.wk", rules=TP_RULES) == (Shard(0),)
+    assert placements_for("layers.3.feed_forward.w3", rules=TP_RULES) == (Shard(0),)
+    assert placements_for("layers.3.attention.wo", rules=TP_RULES) == (Shard(1),)
+    assert placements_for("layers.3.feed_forward.w2", rules=TP_RULES) == (Shard(1),)
     for name in ("layers.3.attention_norm", "layers.3.ffn_norm", "norm", "tok_embeddings", "output"):
-        assert placements_for(name) == (Replicate(),)
+        assert placements_for(name, rules=TP_RULES) == (Replicate(),)
     with pytest.raises(ValueError, match="no sharding rule"):
-        placements_for("layers.3.attention.bias")
-    assert set(SHAPES) == {n for n in SHAPES if placements_for(n)}
+        placements_for("layers.3.attention.bias", rules=TP_RULES)
+    assert set(SHAPES) == {n for n in SHAPES if placements_for(n, rules=TP_RULES)}
 
 
 @pytest.mark.parametrize("n", [1, 5, 7, 8, 12])
@@ -93,7 +93,7 @@ def test_even_layout_holders_and_tiling():
                 count = np.zeros(SHAPES[name], dtype=int)
                 for d in stage.devices:
                     count[tuple(slice(a, b) for a, b in holdings[d][name])] += 1
-                expected = 2 if placements_for(name) == (Replicate(),) else 1
+                expected = 2 if placements_for(name, rules=TP_RULES) == (Replicate(),) else 1
                 assert (count == expected).all(), name
     assert "tok_embeddings" in holdings[0] and "tok_embeddings" not in holdings[2]
     assert "output" in holdings[6] and "output" not in holdings[4]

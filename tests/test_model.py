@@ -3,27 +3,17 @@
 from __future__ import annotations
 
 import math
-import socket
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from chameleon.model.config import ModelConfig
-from chameleon.model.llama import (
-    MegatronTP,
-    full_forward_loss,
-    init_params,
-    param_bytes,
-    param_count,
-    param_shapes,
-    stage_forward,
-    stage_param_names,
-)
+from chameleon.model.llama import LLAMA, param_shapes, stage_forward, stage_param_names
+from chameleon.model.spec import MegatronTP
+from conftest import run_ranks
 
 GQA = ModelConfig(name="gqa", dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16)
 MHA = ModelConfig(name="mha", dim=32, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=64, multiple_of=16)
@@ -139,7 +129,7 @@ def random_params(
     cfg: ModelConfig, seed: int, *, scale: float = 0.1, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
     """Parameters far from the init (noise of std ``scale``) so every path matters."""
-    params = init_params(cfg, seed)
+    params = LLAMA.init_params(cfg, seed)
     gen = torch.Generator().manual_seed(seed)
     return {
         n: (t + scale * torch.randn(t.shape, generator=gen)).to(dtype).requires_grad_()
@@ -181,10 +171,10 @@ def test_param_shapes_canonical_order() -> None:
 
 def test_param_counts_of_real_llama2_shapes() -> None:
     assert LLAMA2_7B.ffn_hidden_dim == 11008
-    assert param_count(LLAMA2_7B) == 6_738_415_616
+    assert LLAMA.param_count(LLAMA2_7B) == 6_738_415_616
     assert LLAMA2_70B.ffn_hidden_dim == 28672
-    assert param_count(LLAMA2_70B) == 68_976_648_192
-    assert param_bytes(LLAMA2_70B, bytes_per_elem=2) == 2 * 68_976_648_192
+    assert LLAMA.param_count(LLAMA2_70B) == 68_976_648_192
+    assert LLAMA.param_bytes(LLAMA2_70B, bytes_per_elem=2) == 2 * 68_976_648_192
 
 
 def test_stage_param_names_partition_the_model() -> None:
@@ -193,7 +183,7 @@ def test_stage_param_names_partition_the_model() -> None:
     assert sum(parts, []) == list(param_shapes(GQA))
     assert parts[0][0] == "tok_embeddings" and parts[2][-2:] == ["norm", "output"]
     assert stage_param_names(GQA, (1, 1), first=False, last=False) == []
-    assert sum(param_bytes(GQA, p) for p in parts) == param_bytes(GQA) == 4 * param_count(GQA)
+    assert sum(LLAMA.param_bytes(GQA, p) for p in parts) == LLAMA.param_bytes(GQA) == 4 * LLAMA.param_count(GQA)
     with pytest.raises(ValueError):
         stage_param_names(GQA, (2, 4), first=False, last=True)
 
@@ -202,25 +192,25 @@ def test_stage_param_names_partition_the_model() -> None:
 
 
 def test_init_is_split_independent_and_seeded() -> None:
-    full = init_params(GQA, 7)
+    full = LLAMA.init_params(GQA, 7)
     names = stage_param_names(GQA, (1, 3), first=False, last=True)
-    part = init_params(GQA, 7, names=reversed(names))
+    part = LLAMA.init_params(GQA, 7, names=reversed(names))
     assert list(part) == names
     for n in names:
         assert torch.equal(part[n], full[n])
-    other = init_params(GQA, 8, names=["layers.1.attention.wq"])
+    other = LLAMA.init_params(GQA, 8, names=["layers.1.attention.wq"])
     assert not torch.equal(other["layers.1.attention.wq"], full["layers.1.attention.wq"])
     assert not torch.equal(full["layers.0.attention.wq"], full["layers.1.attention.wq"])
-    half = init_params(GQA, 7, names=["output"], dtype=torch.bfloat16)
+    half = LLAMA.init_params(GQA, 7, names=["output"], dtype=torch.bfloat16)
     assert torch.equal(half["output"], full["output"].bfloat16())
     with pytest.raises(ValueError):
-        init_params(GQA, 7, names=["layers.3.attention.wq"])
+        LLAMA.init_params(GQA, 7, names=["layers.3.attention.wq"])
 
 
 def test_init_distribution() -> None:
     cfg = ModelConfig(dim=256, n_layers=8, n_heads=4, n_kv_heads=4, vocab_size=512, multiple_of=64)
     names = ["tok_embeddings", "layers.0.attention.wo", "layers.0.feed_forward.w2", "layers.0.ffn_norm", "norm"]
-    p = init_params(cfg, 0, names=names)
+    p = LLAMA.init_params(cfg, 0, names=names)
     assert p["tok_embeddings"].std().item() == pytest.approx(0.02, rel=0.02)
     scaled = 0.02 / math.sqrt(2 * cfg.n_layers)
     assert p["layers.0.attention.wo"].std().item() == pytest.approx(scaled, rel=0.03)
@@ -229,12 +219,12 @@ def test_init_distribution() -> None:
 
 
 def test_init_meta_llama2_70b_allocates_nothing() -> None:
-    params = init_params(LLAMA2_70B, 0, device="meta", dtype=torch.bfloat16)
+    params = LLAMA.init_params(LLAMA2_70B, 0, device="meta", dtype=torch.bfloat16)
     assert all(t.is_meta and t.dtype == torch.bfloat16 for t in params.values())
     assert params["layers.79.feed_forward.w1"].shape == (28672, 8192)
     assert params["layers.0.attention.wk"].shape == (1024, 8192)
     total = sum(t.numel() for t in params.values())
-    assert total == param_count(LLAMA2_70B) == pytest.approx(69e9, rel=0.01)
+    assert total == LLAMA.param_count(LLAMA2_70B) == pytest.approx(69e9, rel=0.01)
 
 
 # ---------------------------------------------------------------- forward
@@ -259,7 +249,7 @@ def test_forward_matches_nn_reference(cfg: ModelConfig, precision: str) -> None:
     ref_logits = ref(tokens)
     torch.testing.assert_close(logits, ref_logits, rtol=rtol, atol=atol)
 
-    loss = full_forward_loss(params, cfg, tokens, targets)
+    loss = LLAMA.full_forward_loss(params, cfg, tokens, targets)
     ref_loss = nn.functional.cross_entropy(ref_logits.flatten(0, 1), targets.flatten()) * targets.numel()
     assert loss.dim() == 0
     torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol)
@@ -275,7 +265,7 @@ def test_stage_split_matches_full_forward() -> None:
     cfg = GQA
     tokens, targets = batch(cfg, seed=3)
     full = random_params(cfg, 2)
-    full_loss = full_forward_loss(full, cfg, tokens, targets)
+    full_loss = LLAMA.full_forward_loss(full, cfg, tokens, targets)
     (full_loss / targets.numel()).backward()
 
     split = {n: t.detach().clone().requires_grad_() for n, t in full.items()}
@@ -343,33 +333,14 @@ def _tp_worker(rank: int, world: int, port: int, out_path: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tensor_parallel_gloo_matches_single_process(tmp_path) -> None:
-    world, port, out_path = 2, free_port(), str(tmp_path / "tp")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_tp_worker, args=(r, world, port, out_path)) for r in range(world)]
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 90
-        for p in procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert [p.exitcode for p in procs] == [0] * world
+    world, out_path = 2, str(tmp_path / "tp")
+    run_ranks(_tp_worker, world, out_path)
 
     cfg = GQA
     full = random_params(cfg, 5)
     tokens, targets = batch(cfg, seed=6)
-    loss = full_forward_loss(full, cfg, tokens, targets)
+    loss = LLAMA.full_forward_loss(full, cfg, tokens, targets)
     (loss / targets.numel()).backward()
     for r in range(world):
         result = torch.load(f"{out_path}.{r}")

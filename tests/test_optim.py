@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chameleon.model.config import ModelConfig
-from chameleon.model.llama import full_forward_loss, init_params
+from chameleon.model.llama import LLAMA
 from chameleon.optim import adamw, clip_coefficient, init_moments, learning_rate, scale, sum_of_squares
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16)
@@ -27,7 +27,7 @@ def test_adamw_with_clipping_and_schedule_is_torchs_bit_for_bit(weight_decay):
     """Five steps of ours (pure) and of torch.optim.AdamW + clip_grads_with_norm_ + LambdaLR from one start."""
     schedule = {"lr": 1e-2, "schedule": "cosine", "warmup_steps": 2, "total_steps": 5, "min_lr": 1e-3}
     max_norm = 0.5
-    start = init_params(CFG, 0)
+    start = LLAMA.init_params(CFG, 0)
     ref = {n: t.clone().requires_grad_(True) for n, t in start.items()}
     opt = torch.optim.AdamW(list(ref.values()), lr=schedule["lr"], weight_decay=weight_decay, foreach=False,
                             betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"])
@@ -36,7 +36,7 @@ def test_adamw_with_clipping_and_schedule_is_torchs_bit_for_bit(weight_decay):
     clipped = 0
     for step, (tokens, targets) in enumerate(batches(5)):
         leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
-        full_forward_loss(leaves, CFG, tokens, targets).backward()
+        LLAMA.full_forward_loss(leaves, CFG, tokens, targets).backward()
         grads = {n: p.grad for n, p in leaves.items()}
         norm = sum_of_squares(grads.values(), device=torch.device("cpu")).sqrt().item()
         factor = clip_coefficient(norm, max_norm)
@@ -44,7 +44,7 @@ def test_adamw_with_clipping_and_schedule_is_torchs_bit_for_bit(weight_decay):
         params, moments = adamw(params, scale(grads, factor), moments, step + 1,
                                 lr=learning_rate(step, **schedule), weight_decay=weight_decay, **HP)
 
-        full_forward_loss(ref, CFG, tokens, targets).backward()
+        LLAMA.full_forward_loss(ref, CFG, tokens, targets).backward()
         ref_grads = [p.grad for p in ref.values()]
         assert norm == pytest.approx(torch.nn.utils.get_total_norm(ref_grads).item(), rel=1e-6)
         torch.nn.utils.clip_grads_with_norm_(list(ref.values()), max_norm, torch.tensor(norm), foreach=False)
@@ -59,7 +59,7 @@ def test_adamw_with_clipping_and_schedule_is_torchs_bit_for_bit(weight_decay):
 
 
 def test_adamw_without_clipping_is_bitwise_torchs_and_pure():
-    start = init_params(CFG, 3)
+    start = LLAMA.init_params(CFG, 3)
     grads = {n: torch.randn_like(t) for n, t in start.items()}
     ref = {n: t.clone().requires_grad_(True) for n, t in start.items()}
     opt = torch.optim.AdamW(list(ref.values()), lr=3e-3, weight_decay=0.1, foreach=False,

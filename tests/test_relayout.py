@@ -19,7 +19,7 @@ from chameleon.layout.memory import MIGRATE_BYTES
 from chameleon.layout.relayout import LostStateError, Manifest, relabel_plan, relayout
 from chameleon.layout.spec import Layout, device_holdings, layout_of, local_slices, region_shape
 from chameleon.model.config import ModelConfig
-from chameleon.model.llama import param_shapes, stage_param_names
+from chameleon.model.llama import TP_RULES, param_shapes, stage_param_names
 
 CFG = ModelConfig(dim=16, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=20, multiple_of=8)
 SHAPES = param_shapes(CFG)
@@ -29,7 +29,7 @@ ORIGINALS = {name: torch.randn(shape, generator=_SEED) for name, shape in SHAPES
 
 
 def layout(plan: Plan) -> Layout:
-    return layout_of(plan, SHAPES, NAMES)
+    return layout_of(plan, SHAPES, NAMES, rules=TP_RULES)
 
 
 def box(region) -> tuple[slice, ...]:

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from chameleon.config import CONF_DIR, register_configs
 from chameleon.model.config import ModelConfig
-from chameleon.model.llama import init_params, param_count
+from chameleon.model.llama import LLAMA
 from chameleon.report.compare import relative_difference
 from conftest import ENV, SMALL_RUN, assert_same_clipping, run_entry
 
@@ -107,8 +107,8 @@ def test_recipes_compose_real_shapes_without_allocating(recipe, n_params):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name="config", overrides=[f"+recipe={recipe}"])
     model = ModelConfig(**cfg.model)
-    assert param_count(model) == n_params
-    params = init_params(model, 0, device="meta")
+    assert LLAMA.param_count(model) == n_params
+    params = LLAMA.init_params(model, 0, device="meta")
     assert all(t.is_meta for t in params.values())
     assert sum(math.prod(t.shape) for t in params.values()) == n_params
     assert cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.tp == cfg.launcher.nnodes * cfg.launcher.nproc_per_node

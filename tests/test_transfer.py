@@ -16,7 +16,7 @@ from chameleon.layout.plan import even_plan, plan_from_spec
 from chameleon.layout.relayout import relabel_plan, relayout
 from chameleon.layout.spec import layout_of
 from chameleon.model.config import ModelConfig
-from chameleon.model.llama import param_shapes, stage_param_names
+from chameleon.model.llama import TP_RULES, param_shapes, stage_param_names
 from chameleon.runtime.comm import Generation, PeerFailure, fault_key
 from chameleon.runtime.transfer import execute_manifest
 
@@ -39,17 +39,17 @@ def transitions():
     The fourth manifest, A with its devices swapped pairwise, is the one interrupted by a fault.
     """
     plan_a = even_plan(dp=2, pp=2, tp=1, n_layers=4, global_batch=4, micro_batch=1)
-    layout_a = layout_of(plan_a, SHAPES, NAMES)
+    layout_a = layout_of(plan_a, SHAPES, NAMES, rules=TP_RULES)
     slots_b = plan_from_spec(
         [{"layers": [1, 2, 1], "micro_batches": 4}], tp=1, n_layers=4, global_batch=4, micro_batch=1
     )
-    layout_b = layout_of(relabel_plan(slots_b, {0: 0, 1: 2, 2: 3}), SHAPES, NAMES)
+    layout_b = layout_of(relabel_plan(slots_b, {0: 0, 1: 2, 2: 3}), SHAPES, NAMES, rules=TP_RULES)
     a_to_b = relayout(layout_a, layout_b, survivors=(0, 2, 3))
     slots_c = even_plan(dp=1, pp=2, tp=2, n_layers=4, global_batch=4, micro_batch=1)
-    layout_c = layout_of(slots_c, SHAPES, NAMES)
+    layout_c = layout_of(slots_c, SHAPES, NAMES, rules=TP_RULES)
     b_to_c = relayout(layout_b, layout_c, survivors=range(WORLD))
     c_to_a = relayout(layout_c, layout_a, survivors=range(WORLD))
-    swapped = layout_of(relabel_plan(plan_a, {0: 1, 1: 0, 2: 3, 3: 2}), SHAPES, NAMES)
+    swapped = layout_of(relabel_plan(plan_a, {0: 1, 1: 0, 2: 3, 3: 2}), SHAPES, NAMES, rules=TP_RULES)
     return a_to_b, b_to_c, c_to_a, relayout(layout_a, swapped, survivors=range(WORLD))
 
 

@@ -1,13 +1,13 @@
 """Profiles: what one stage of the model costs on one device, measured or derived.
 
 A :class:`Profile` is the estimator's only input about hardware. ``kind=local``
-measures this machine for real — per-layer forward/backward time of
-:func:`chameleon.model.llama.stage_forward`, the embedding and head extras, the
+measures this machine for real — per-layer forward/backward time of the model
+spec's ``stage_forward`` (:mod:`chameleon.model.spec`), the embedding and head extras, the
 bytes autograd saves, an AdamW step (:func:`chameleon.optim.adamw`), and gloo
 point-to-point, all-reduce and group-creation costs with a few real processes —
 and caches the result as JSON.
-``kind=analytic`` derives the same fields from datasheet figures (6·params·tokens
-FLOPs, fwd:bwd = 1:2) for hardware we cannot run.
+``kind=analytic`` derives the same fields from datasheet figures and the spec's
+FLOPs (about 6·params·tokens, fwd:bwd = 1:2) for hardware we cannot run.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 
 from chameleon.decision.config import ClusterConfig
 from chameleon.layout.memory import ELEMENT_BYTES, MOMENT_BYTES, MemoryCosts
-from chameleon.model import llama
 from chameleon.model.config import ModelConfig
+from chameleon.model.spec import spec_of
 from chameleon.optim import adamw, init_moments
 
 
@@ -103,9 +103,9 @@ PROFILE_FORMAT = 2  # bumped whenever what a profile measures changes, so older 
 
 
 def profile_key(model: ModelConfig, *, micro_batch: int, seq_len: int, tp: int, device: str) -> str:
-    """The cache key: the profile format, model shape, micro-batch, sequence length, device and torch version."""
+    """The cache key: the profile format, architecture and shape, micro-batch, sequence length, device and torch version."""
     shape = (
-        f"d{model.dim}-L{model.n_layers}-h{model.n_heads}-kv{model.n_kv_heads}-v{model.vocab_size}"
+        f"{model.arch}-d{model.dim}-L{model.n_layers}-h{model.n_heads}-kv{model.n_kv_heads}-v{model.vocab_size}"
         f"-f{model.ffn_hidden_dim}"
     )
     return f"v{PROFILE_FORMAT}_{shape}_mb{micro_batch}_s{seq_len}_tp{tp}_{device}_torch{torch.__version__}"
@@ -157,17 +157,16 @@ def with_tensor_parallel(profile: Profile, tp: int) -> Profile:
 def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, tp: int) -> Profile:
     """A profile from datasheet figures.
 
-    FLOPs per layer and micro-batch follow Kaplan et al.: forward ``2·P·T + 2·T·s·dim``
-    (``T`` tokens, ``s`` the context), backward twice that. Activations assume flash
+    Forward FLOPs per token come from the model spec (Kaplan et al. for Llama:
+    ``2·P + 2·s·dim`` a layer), backward twice that. Activations assume flash
     attention (no ``s×s`` scores kept) and bf16 tensors; the head keeps fp32 logits.
     """
-    layer_p, first_p, last_p = llama.unit_params(model)
+    spec = spec_of(model)
+    layer_p, first_p, last_p = spec.unit_params(model)
     tokens = micro_batch * seq_len
     rate = cluster.peak_tflops * 1e12 * cluster.mfu * tp
-    layer_fwd = (2 * layer_p * tokens + 2 * tokens * seq_len * model.dim) / rate
-    head_fwd = 2 * model.vocab_size * model.dim * tokens / rate
-    kv_dim = model.n_kv_heads * model.head_dim
-    act_elems = tokens * (5 * model.dim + 2 * kv_dim + 4 * model.ffn_hidden_dim)
+    layer_fwd, first_fwd, head_fwd = (flops * tokens / rate for flops in spec.forward_flops(model, seq_len, layer_p))
+    act_elems = spec.activation_elems(model, micro_batch=micro_batch, seq_len=seq_len, flash=True)
     n_nodes = -(-cluster.n_devices // cluster.devices_per_node)
     dp_gbps = cluster.inter_gbps if n_nodes > 1 else cluster.intra_gbps
     optim_traffic = 2 * (2 * cluster.bytes_per_elem + cluster.optim_bytes_per_elem)
@@ -182,8 +181,8 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
         tp=tp,
         layer_fwd_s=layer_fwd,
         layer_bwd_s=2 * layer_fwd,
-        first_fwd_s=0.0,
-        first_bwd_s=0.0,
+        first_fwd_s=first_fwd,
+        first_bwd_s=2 * first_fwd,
         last_fwd_s=head_fwd,
         last_bwd_s=2 * head_fwd,
         layer_params=layer_p,
@@ -230,7 +229,7 @@ def _fwd_bwd(model: ModelConfig, params: dict, x, targets, *, layers, first, las
         return t
 
     def forward():
-        return llama.stage_forward(params, model, x, layers=layers, first=first, last=last, targets=targets)
+        return spec_of(model).stage_forward(params, model, x, layers=layers, first=first, last=last, targets=targets)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = forward()
@@ -262,15 +261,16 @@ def measure_profile(
 
 def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, key: str) -> Profile:
     torch.manual_seed(0)
-    names = llama.stage_param_names(model, (0, 1), first=True, last=False) + ["norm", "output"]
-    params = {n: t.requires_grad_() for n, t in llama.init_params(model, 0, names=names).items()}
+    spec = spec_of(model)
+    names = spec.stage_param_names(model, (0, 1), first=True, last=True)
+    params = {n: t.requires_grad_() for n, t in spec.init_params(model, 0, names=names).items()}
     tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))
     hidden = torch.randn(micro_batch, seq_len, model.dim, requires_grad=True)
     layer_f, layer_b, layer_act = _fwd_bwd(model, params, hidden, None, layers=(0, 1), first=False, last=False)
     first_f, first_b, first_act = _fwd_bwd(model, params, tokens, None, layers=(0, 0), first=True, last=False)
     last_f, last_b, last_act = _fwd_bwd(model, params, hidden, tokens, layers=(1, 1), first=False, last=True)
-    layer_p, first_p, last_p = llama.unit_params(model)
-    layer_names = llama.stage_param_names(model, (0, 1), first=False, last=False)
+    layer_p, first_p, last_p = spec.unit_params(model)
+    layer_names = spec.stage_param_names(model, (0, 1), first=False, last=False)
     layer = {n: params[n].detach() for n in layer_names}
     grads, moments = {n: torch.randn_like(t) for n, t in layer.items()}, init_moments(layer)
     opt_s = _timed(lambda: adamw(layer, grads, moments, 1, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,

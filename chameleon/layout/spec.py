@@ -1,12 +1,12 @@
 """Layouts: which devices hold which region of every named tensor under a plan.
 
-Sharding is data. A small rule table maps parameter-name patterns to DTensor
-placements on a stage's TP mesh (column-parallel projections ``Shard(0)``,
-row-parallel ones ``Shard(1)``, everything else ``Replicate()``); :func:`layout_of`
-applies it to every stage of a plan. Shards follow ``torch.chunk`` (ceil-div
-chunks, trailing ranks possibly empty), exactly as DTensor splits a tensor, so a
-device's region here is the local tensor DTensor would give it. TP = 1 is the
-degenerate case: every placement covers the whole tensor.
+Sharding is data. A small rule table, the model spec's ``tp_rules``, maps
+parameter-name patterns to DTensor placements on a stage's TP mesh (column-parallel
+projections ``Shard(0)``, row-parallel ones ``Shard(1)``, everything else
+``Replicate()``); :func:`layout_of` applies it to every stage of a plan. Shards
+follow ``torch.chunk`` (ceil-div chunks, trailing ranks possibly empty), exactly as
+DTensor splits a tensor, so a device's region here is the local tensor DTensor would
+give it. TP = 1 is the degenerate case: every placement covers the whole tensor.
 
 A region is a box: one half-open ``(start, stop)`` range per tensor dimension.
 Nothing here touches a process group or the model; the model supplies names and
@@ -27,15 +27,7 @@ from chameleon.layout.plan import Plan
 
 Region = tuple[tuple[int, int], ...]
 Rules = tuple[tuple[str, tuple[Placement, ...]], ...]
-
-TP_RULES: Rules = (
-    (r"layers\.\d+\.attention\.w[qkv]", (Shard(0),)),
-    (r"layers\.\d+\.feed_forward\.w[13]", (Shard(0),)),
-    (r"layers\.\d+\.attention\.wo", (Shard(1),)),
-    (r"layers\.\d+\.feed_forward\.w2", (Shard(1),)),
-    (r"layers\.\d+\.(attention_norm|ffn_norm)|norm|tok_embeddings|output", (Replicate(),)),
-)
-"""Llama's TP rules: ``(full-name regex, placements on the stage's 1-D TP mesh)``, first match wins."""
+"""A model spec's ``tp_rules``: ``(full-name regex, placements on the stage's 1-D TP mesh)``, first match wins."""
 
 
 class StageNames(Protocol):
@@ -64,7 +56,7 @@ class TensorSpec:
 Layout = dict[str, TensorSpec]
 
 
-def placements_for(name: str, *, rules: Rules = TP_RULES) -> tuple[Placement, ...]:
+def placements_for(name: str, *, rules: Rules) -> tuple[Placement, ...]:
     """The placements of the first rule whose pattern matches the whole name.
 
     Raises:
@@ -81,7 +73,7 @@ def layout_of(
     shapes: Mapping[str, tuple[int, ...]],
     stage_names: StageNames,
     *,
-    rules: Rules = TP_RULES,
+    rules: Rules,
 ) -> Layout:
     """Every named tensor of the plan with its shape and holders, in pipeline-then-stage order.
 

@@ -8,13 +8,15 @@ from dataclasses import dataclass
 
 @dataclass
 class ModelConfig:
-    """Llama-2 architecture hyper-parameters.
+    """Decoder hyper-parameters; ``arch`` picks the architecture (:func:`chameleon.model.spec.spec_of`).
 
+    The fields are Llama-2's; another architecture reads the ones it documents.
     ``ffn_hidden_dim`` follows Llama-2's rule: ``2/3 · 4 · dim``, scaled by
     ``ffn_dim_multiplier`` when set, rounded up to a multiple of ``multiple_of``.
     """
 
     name: str = "tiny"
+    arch: str = "llama"  # llama | gpt
     dim: int = 64
     n_layers: int = 4
     n_heads: int = 4

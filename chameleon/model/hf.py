@@ -5,7 +5,8 @@ rotate together. Hugging Face's ``LlamaForCausalLM`` rotates dimension ``j`` wit
 ``j + head_dim/2`` instead, and its checkpoints hold ``wq`` and ``wk`` with the rows
 of every head permuted to match (the permutation its Meta→HF conversion applies).
 :func:`load_hf` undoes it and :func:`export_hf` applies it, so both directions give
-the same logits. Everything else maps name for name:
+the same logits. Only ``model.arch=llama`` maps: another architecture is refused with
+a one-line error. Everything else maps name for name:
 
 ===========================  ==========================================
 here                         Hugging Face
@@ -33,7 +34,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from chameleon.model.config import ModelConfig
-from chameleon.model.llama import param_shapes
+from chameleon.model.spec import spec_of
 
 HF_PREFIX = "hf:"
 WEIGHTS = "model.safetensors"
@@ -48,6 +49,18 @@ _TOP_NAMES = {"tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm
 
 class HFCheckpointError(ValueError):
     """A Hugging Face checkpoint that cannot be loaded into this model; the message says what to change."""
+
+
+def require_llama(cfg: ModelConfig, key: str) -> None:
+    """Refuse an architecture other than Llama for ``key`` (the setting that asks for a Hugging Face checkpoint).
+
+    Raises:
+        HFCheckpointError: ``cfg.arch`` is not ``llama``.
+    """
+    if cfg.arch != "llama":
+        raise HFCheckpointError(f"{key} reads and writes Hugging Face Llama checkpoints only, but "
+                                f"model.arch={cfg.arch}: use model.arch=llama, or model.init=random and "
+                                "output.export_hf=false")
 
 
 def hf_checkpoint(init: str) -> Path | None:
@@ -147,6 +160,7 @@ def check_hf(path: Path, cfg: ModelConfig) -> None:
     Raises:
         HFCheckpointError: naming the mismatched ``model.*`` keys and the overrides that fix them.
     """
+    require_llama(cfg, "model.init")
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise HFCheckpointError(f"model.init=hf:{path}: no config.json there (a Hugging Face checkpoint directory)")
@@ -175,7 +189,7 @@ def load_hf(path: Path, cfg: ModelConfig, *, names: Iterable[str] | None = None)
     """
     path = Path(path)
     check_hf(path, cfg)
-    shapes = param_shapes(cfg)
+    shapes = spec_of(cfg).param_shapes(cfg)
     wanted = list(shapes if names is None else names)
     if (path / INDEX).is_file():
         files = json.loads((path / INDEX).read_text())["weight_map"]
@@ -211,7 +225,8 @@ def export_hf(params: Mapping[str, Tensor], cfg: ModelConfig, path: Path) -> Pat
         ``path``, holding ``config.json`` and ``model.safetensors`` (fp32), loadable with
         ``LlamaForCausalLM.from_pretrained(path)``.
     """
-    shapes = param_shapes(cfg)
+    require_llama(cfg, "output.export_hf")
+    shapes = spec_of(cfg).param_shapes(cfg)
     if set(params) != set(shapes):
         raise ValueError(f"export_hf needs every parameter of the model; missing {sorted(set(shapes) - set(params))}")
     path = Path(path)

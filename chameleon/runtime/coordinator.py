@@ -7,7 +7,6 @@ only; it touches no process and no store. The controller publishes what it retur
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 from chameleon.decision.estimator import estimate_step
@@ -18,9 +17,9 @@ from chameleon.decision.measured import Measured
 from chameleon.decision.selector import Decision, decide, decide_growth
 from chameleon.layout.plan import Plan
 from chameleon.layout.relayout import Manifest, relayout
-from chameleon.layout.spec import Layout, layout_of
+from chameleon.layout.spec import Layout
 from chameleon.model.config import ModelConfig
-from chameleon.model.llama import param_shapes, stage_param_names
+from chameleon.model.spec import spec_of
 from chameleon.runtime.checkpoint import writers
 from chameleon.runtime.errors import TrainingError
 
@@ -64,11 +63,11 @@ class Coordinator:
         together (a node's), None when devices fail alone. Both price the next fault in each decision."""
         self.profile, self.planner, self.policy = profile, planner, policy
         self.checkpoint_steps, self.domains = checkpoint_steps, domains
-        self.shapes = param_shapes(model)
-        self._stage_names = partial(stage_param_names, model)
+        self.model, self.spec = model, spec_of(model)
+        self.shapes = self.spec.param_shapes(model)
 
     def layout(self, plan: Plan) -> Layout:
-        return layout_of(plan, self.shapes, self._stage_names)
+        return self.spec.layout(self.model, plan)
 
     def writers(self, plan: Plan) -> tuple[int, ...]:
         """The devices that write checkpoints under ``plan``."""

@@ -18,7 +18,7 @@ from chameleon.layout.plan import Plan, micro_batch_ranges
 from chameleon.layout.schedule import Action, executors
 from chameleon.layout.spec import Region
 from chameleon.model.config import ModelConfig
-from chameleon.model.llama import TensorParallelOps, stage_forward
+from chameleon.model.spec import TensorParallelOps, spec_of
 from chameleon.runtime.comm import Generation
 from chameleon.runtime.stage import StageState
 
@@ -94,7 +94,7 @@ def run_step(
                 src = executors(plan, p, s - 1, i)[t]
                 gen.wait(gen.recv(x, src, tag=message_tag(p, s - 1, False)), peer=src)
                 x.requires_grad_(True)
-            out = stage_forward(
+            out = spec_of(model).stage_forward(
                 state.params, model, x, layers=pipe.stages[s].layers, first=first, last=last, targets=targets if last else None, tp=tp,
             )
             if last:

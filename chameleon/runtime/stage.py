@@ -12,7 +12,7 @@ from chameleon.layout.plan import Plan, Stage
 from chameleon.layout.spec import Region, local_slices, placements_for, shard_region
 from chameleon.model.config import ModelConfig
 from chameleon.model.hf import hf_checkpoint, load_hf
-from chameleon.model.llama import init_params, stage_param_names
+from chameleon.model.spec import spec_of
 from chameleon.optim import (
     adamw,
     clip_coefficient,
@@ -59,8 +59,9 @@ def role_of(plan: Plan, device: int) -> Role | None:
 
 def stage_regions(model: ModelConfig, role: Role, shapes: dict[str, tuple[int, ...]]) -> dict[str, Region]:
     """The region of every tensor this role's device holds (its TP shard)."""
-    names = stage_param_names(model, role.spec.layers, first=role.first, last=role.last)
-    return {n: shard_region(shapes[n], placements_for(n), role.tp_index, role.spec.tp) for n in names}
+    spec = spec_of(model)
+    names = spec.stage_param_names(model, role.spec.layers, first=role.first, last=role.last)
+    return {n: shard_region(shapes[n], placements_for(n, rules=spec.tp_rules), role.tp_index, role.spec.tp) for n in names}
 
 
 class StageState:
@@ -90,9 +91,10 @@ class StageState:
     @classmethod
     def create(cls, model: ModelConfig, role: Role, *, seed: int, train: dict, device: torch.device) -> StageState:
         """Fresh state: this device's shards of the initial parameters (``model.init``), zero moments."""
-        names = stage_param_names(model, role.spec.layers, first=role.first, last=role.last)
+        spec = spec_of(model)
+        names = spec.stage_param_names(model, role.spec.layers, first=role.first, last=role.last)
         source = hf_checkpoint(model.init)
-        full = init_params(model, seed, names=names) if source is None else load_hf(source, model, names=names)
+        full = spec.init_params(model, seed, names=names) if source is None else load_hf(source, model, names=names)
         regions = stage_regions(model, role, {n: tuple(t.shape) for n, t in full.items()})
         params = {n: t[tuple(slice(a, b) for a, b in regions[n])] for n, t in full.items()}
         return cls({"param": params, **init_moments(params)}, regions, train=train, device=device)

@@ -38,9 +38,8 @@ from chameleon.layout.colouring import sync_rounds
 from chameleon.layout.plan import Plan
 from chameleon.layout.relayout import Manifest
 from chameleon.layout.schedule import step_actions
-from chameleon.layout.spec import layout_of
 from chameleon.model.config import ModelConfig
-from chameleon.model.llama import MegatronTP, param_shapes, stage_param_names
+from chameleon.model.spec import spec_of
 from chameleon.runtime.beacon import Beacon
 from chameleon.runtime.checkpoint import CheckpointWriter, checkpoint_root, latest_checkpoint, load_regions, writers
 from chameleon.runtime.comm import ABANDONED, BACKENDS, Generation, PeerFailure, connect_store
@@ -295,7 +294,7 @@ def _run(spec: WorkerSpec, uplink: _Uplink, beacon: Beacon) -> None:
             generation = order.switch_to
             continue
         if order is None and state is not None and cfg["output"]["save_params"]:
-            layout = layout_of(gen_spec.plan, param_shapes(model), partial(stage_param_names, model))
+            layout = spec_of(model).layout(model, gen_spec.plan)
             mine = {n: shard for n, shard in state.shards().items() if me in layout[n].holders[0].devices}
             uplink.send(FinalShards(me, generation, mine))
         break
@@ -305,7 +304,7 @@ def _run(spec: WorkerSpec, uplink: _Uplink, beacon: Beacon) -> None:
 
 def _group_sets(model: ModelConfig, plan: Plan) -> list[tuple[int, ...]]:
     """Every sync and TP group of ``plan``, in one order all devices share."""
-    layout = layout_of(plan, param_shapes(model), partial(stage_param_names, model))
+    layout = spec_of(model).layout(model, plan)
     sets = [g.devices for groups in sync_rounds(layout) for g in groups]
     sets += [st.devices for pipe in plan.pipelines for st in pipe.stages if st.tp > 1]
     sets.append(tuple(sorted(plan.devices)))  # the global gradient norm's all-reduce
@@ -328,13 +327,13 @@ def _establish(
         faults.transfer_done(resume)
         if role is None:
             return None
-        regions = stage_regions(model, role, param_shapes(model))
+        regions = stage_regions(model, role, spec_of(model).param_shapes(model))
         return StageState(moved, regions, train=train, device=device)
     if role is None:
         return None
     if gen_spec.checkpoint is not None:
         faults.phase("transfer", step=resume)
-        regions = stage_regions(model, role, param_shapes(model))
+        regions = stage_regions(model, role, spec_of(model).param_shapes(model))
         info = latest_checkpoint(Path(gen_spec.checkpoint))
         loaded = gen.call(partial(load_regions, info, regions), peer_errors=False)
         return StageState(loaded, regions, train=train, device=device)
@@ -351,9 +350,9 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
     if state is None:
         return _idle(gen_spec, gen=gen, control=control, steps=train["steps"], faults=faults)
     role = role_of(plan, me)
-    layout = layout_of(plan, param_shapes(model), partial(stage_param_names, model))
+    layout = spec_of(model).layout(model, plan)
     rounds = sync_rounds(layout)
-    tp = MegatronTP(partial(gen.all_reduce, members=role.spec.devices)) if role.spec.tp > 1 else None
+    tp = spec_of(model).tp_ops(partial(gen.all_reduce, members=role.spec.devices)) if role.spec.tp > 1 else None
     actions = step_actions(plan)[me]
     saver = _Saver(cfg, layout, gen=gen, uplink=uplink, run_dir=run_dir)
     norm_regions = writers(layout).get(me, {})
