@@ -157,7 +157,7 @@ def with_tensor_parallel(profile: Profile, tp: int) -> Profile:
 def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, tp: int) -> Profile:
     """A profile from datasheet figures.
 
-    Forward FLOPs per token come from the model spec (Kaplan et al. for Llama:
+    Forward FLOPs per token come from the model spec (a dense decoder such as Llama:
     ``2·P + 2·s·dim`` a layer), backward twice that. Activations assume flash
     attention (no ``s×s`` scores kept) and bf16 tensors; the head keeps fp32 logits.
     """

@@ -109,8 +109,8 @@ def head_output(logits: Tensor, targets: Tensor | None) -> Tensor:
     )
 
 
-def kaplan_flops(cfg: ModelConfig, seq_len: int, layer_params: int) -> tuple[float, float, float]:
-    """A dense decoder's forward FLOPs per token (Kaplan et al.): ``2·P + 2·s·dim`` a layer of ``P`` parameters at
+def dense_decoder_flops(cfg: ModelConfig, seq_len: int, layer_params: int) -> tuple[float, float, float]:
+    """A dense decoder's forward FLOPs per token: ``2·P + 2·s·dim`` a layer of ``P`` parameters at
     context ``s``, 0 the embedding (a lookup), ``2·vocab·dim`` the head."""
     return 2 * layer_params + 2 * seq_len * cfg.dim, 0.0, 2 * cfg.vocab_size * cfg.dim
 
@@ -137,7 +137,7 @@ class ModelSpec:
         tp_ops: Builds the :class:`TensorParallelOps` from the runtime's all-reduce (Megatron's).
         forward_flops: ``(cfg, seq_len, layer_params) -> (layer, first, last)`` forward FLOPs per
             token of one layer at context ``seq_len``, of the first stage's embedding and of the
-            head (:func:`kaplan_flops` for a dense decoder).
+            head (:func:`dense_decoder_flops` for a dense decoder).
     """
 
     name: str
@@ -148,7 +148,7 @@ class ModelSpec:
     tp_rules: Rules
     activation_elems: Callable[..., int]
     tp_ops: Callable[[AllReduce], TensorParallelOps] = MegatronTP
-    forward_flops: Callable[[ModelConfig, int, int], tuple[float, float, float]] = kaplan_flops
+    forward_flops: Callable[[ModelConfig, int, int], tuple[float, float, float]] = dense_decoder_flops
 
     def init_params(
         self,
