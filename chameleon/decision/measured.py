@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable
 
 from chameleon.layout.plan import Plan
@@ -41,13 +42,17 @@ class Measured:
     def of(cls, ran: Iterable[tuple[Plan, list[float]]], resident: Plan, estimate_s: float) -> Measured:
         """From each plan's steady step times; ``estimate_s``: the estimator's step time for ``resident``."""
         runs = tuple((plan, statistics.median(times)) for plan, times in ran if len(times) >= MIN_STEPS)
-        now = dict((plan_shape(plan), t) for plan, t in runs).get(plan_shape(resident))
+        shape = plan_shape(resident)
+        now = next((t for plan, t in runs if plan_shape(plan) == shape), None)
         return cls(runs, now / estimate_s if now and estimate_s > 0 else 1.0)
+
+    @cached_property
+    def _by_shape(self) -> dict[tuple, float]:
+        return {plan_shape(plan): t for plan, t in self.runs}
 
     def step_s(self, plan: Plan, estimate_s: float) -> float:
         """``plan``'s measured step time if its shape ran, else ``estimate_s`` on the measured scale."""
-        shape = plan_shape(plan)
-        return next((t for p, t in self.runs if plan_shape(p) == shape), estimate_s * self.scale)
+        return self._by_shape.get(plan_shape(plan), estimate_s * self.scale)
 
     def plans_on(self, devices: set[int]) -> list[Plan]:
         """Plans that ran on devices all among ``devices``, reroutes left out (they are a fault's stopgap)."""

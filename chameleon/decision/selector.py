@@ -164,11 +164,13 @@ def exposure(plan: Plan, domains: tuple[tuple[int, ...], ...] | None) -> float:
     groups = [(d,) for d in plan.devices] if domains is None else [g for g in domains if g]
     if not groups:
         return 0.0
-    held = [st.layers for p in plan.pipelines for st in p.stages if st.devices]
-    stage_of = {d: k for k, st in enumerate(st for p in plan.pipelines for st in p.stages if st.devices) for d in st.devices}
+    held: list[tuple[int, int]] = []  # layers of each stage with devices
+    stage_of: dict[int, int] = {}  # device -> its stage's index in ``held``
     replicas = [0] * plan.n_layers
-    for layers in held:
-        for layer in range(*layers):
+    for st in (st for p in plan.pipelines for st in p.stages if st.devices):
+        stage_of.update((d, len(held)) for d in st.devices)
+        held.append(st.layers)
+        for layer in range(*st.layers):
             replicas[layer] += 1
     if 0 in replicas:
         return 1.0

@@ -210,6 +210,7 @@ class Controller:
         self.losses: dict[int, float] = {}
         self.step_times: dict[int, float] = {}
         self.ran: dict[tuple, tuple[Plan, list[float]]] = {}  # by plan shape: the plan and its steady step times
+        self.resident_times: list[float] = []  # the resident plan's shape's entry of ``ran``
         self.step_ids: dict[int, tuple[int, ...]] = {}
         self.commit_times: dict[int, float] = {}
         self.recoveries: list[Recovery] = []
@@ -546,6 +547,7 @@ class Controller:
     def _start_generation(self) -> None:
         self.store.set(start_key(self.generation), "1")
         self.resident = self.spec.plan
+        self.resident_times = self.ran.setdefault(plan_shape(self.resident), (self.resident, []))[1]
         if self.policy.precompute:  # the next single fault becomes a lookup (the planner runs meanwhile)
             self.precomputed = (self.resident, self.pool.submit(precompute_single_faults, self.resident, self.planner))
         now = time.time()
@@ -571,7 +573,7 @@ class Controller:
         batch = self.train["global_batch"]
         self.losses[c.step], self.step_times[c.step], self.step_ids[c.step] = c.loss, dt, c.sample_ids
         if steady:
-            self.ran.setdefault(plan_shape(self.resident), (self.resident, []))[1].append(dt)
+            self.resident_times.append(dt)
         self.commit_times[c.step] = now
         self.metrics.write({
             "step": c.step, "loss": c.loss, "samples_per_s": batch / dt, "tokens_per_s": batch * self.train["seq_len"] / dt,
