@@ -23,7 +23,7 @@ import argparse
 import cProfile
 import io
 import pstats
-from dataclasses import asdict
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -41,12 +41,14 @@ from chameleon.layout.schedule import step_actions
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
 from chameleon.runtime.comm import Generation, connect_store
+from chameleon.runtime.messages import GenerationSpec
 from chameleon.runtime.schedule import run_step
 from chameleon.runtime.stage import StageState, role_of
+from chameleon.runtime.worker import plan_groups
 
 CPU = torch.device("cpu")
 # The plain side runs torch.optim.AdamW at a constant rate, unclipped: so does ours.
-TRAIN = {**asdict(TrainConfig()), "lr_schedule": "constant", "warmup_steps": 0, "clip_norm": 0.0}
+TRAIN = TrainConfig(lr_schedule="constant", warmup_steps=0, clip_norm=0.0)
 
 
 class FunctionalStage(nn.Module):
@@ -68,7 +70,7 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int, store, model: ModelConfig, train: dict, plan: Plan, args) -> dict:
-    stream = SampleStream.from_config(path=None, seq_len=train["seq_len"], seed=train["seed"])
+    stream = SampleStream.from_config(path=None, seq_len=train.seq_len, seed=train.seed)
     role = role_of(plan, rank)
     stage = plan.pipelines[role.pipeline].stages[role.stage]
     first, last = role.first, role.last
@@ -79,18 +81,18 @@ def _worker(rank: int, world: int, store, model: ModelConfig, train: dict, plan:
     dp_groups = [dist.new_group([p.stages[s].devices[0] for p in plan.pipelines]) for s in range(role.n_stages)]
     spec = spec_of(model)
     names = spec.stage_param_names(model, stage.layers, first=first, last=last)
-    module = FunctionalStage(spec.init_params(model, train["seed"], names=names), model, layers=stage.layers, first=first, last=last)
+    module = FunctionalStage(spec.init_params(model, train.seed, names=names), model, layers=stage.layers, first=first, last=last)
     pstage = PipelineStage(module, role.stage, role.n_stages, CPU, group=pipe_groups[role.pipeline])
     schedule = Schedule1F1B(pstage, n_microbatches=plan.pipelines[role.pipeline].micro_batches, loss_fn=_loss)
     plain_params = list(module.parameters())
-    adamw = torch.optim.AdamW(plain_params, lr=train["lr"], betas=(train["beta1"], train["beta2"]),
-                              eps=train["eps"], weight_decay=train["weight_decay"])
+    adamw = torch.optim.AdamW(plain_params, lr=train.lr, betas=(train.beta1, train.beta2),
+                              eps=train.eps, weight_decay=train.weight_decay)
     block = micro_batch_ranges(plan)[role.pipeline]
     plain_losses: list[float] = []
 
     def plain_step(step: int) -> None:
         ids = [i for m in block for i in micro_batch_samples(
-            step, m, global_batch=train["global_batch"], micro_batch_size=plan.micro_batch_size)]
+            step, m, global_batch=train.global_batch, micro_batch_size=plan.micro_batch_size)]
         tokens, targets = stream.batch(ids)
         if first:
             schedule.step(tokens)
@@ -114,10 +116,10 @@ def _worker(rank: int, world: int, store, model: ModelConfig, train: dict, plan:
     # Ours: the worker's data path over one Generation.
     layout = spec.layout(model, plan)
     rounds = sync_rounds(layout)
-    gen = Generation(store, connect_store=partial(connect_store, HOST, store.port, timeout_s=TIMEOUT_S), generation=0,
-                     devices=plan.devices, me=rank, backend="gloo", timeout_s=TIMEOUT_S,
-                     groups=[g.devices for groups in rounds for g in groups])
-    state = StageState.create(model, role, seed=train["seed"], train=train, device=CPU)
+    gen = Generation(connect_store=partial(connect_store, HOST, store.port, timeout_s=TIMEOUT_S), generation=0,
+                     me=rank, backend="gloo", timeout_s=TIMEOUT_S,
+                     groups=plan_groups(model, GenerationSpec(0, plan, plan.devices, 0)))
+    state = StageState.create(model, role, seed=train.seed, train=train, device=CPU)
     actions = step_actions(plan)[rank]
     ours_losses: list[float] = []
 
@@ -159,8 +161,8 @@ def _worker(rank: int, world: int, store, model: ModelConfig, train: dict, plan:
 
 def _plan(layout: str, model: ModelConfig, train: dict) -> Plan:
     dp, pp = map(int, layout.split("x"))
-    return even_plan(dp=dp, pp=pp, tp=1, n_layers=model.n_layers, global_batch=train["global_batch"],
-                     micro_batch=train["micro_batch"])
+    return even_plan(dp=dp, pp=pp, tp=1, n_layers=model.n_layers, global_batch=train.global_batch,
+                     micro_batch=train.micro_batch)
 
 
 def main() -> None:
@@ -177,7 +179,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile ours on rank 0")
     args = parser.parse_args()
     model = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
-    train = dict(TRAIN, global_batch=args.global_batch, micro_batch=args.micro_batch, seq_len=args.seq_len)
+    train = replace(TRAIN, global_batch=args.global_batch, micro_batch=args.micro_batch, seq_len=args.seq_len)
     header()
     print(f"model: dim {model.dim}, {model.n_layers} layers, {model.n_heads} heads ({model.n_kv_heads} kv), vocab "
           f"{model.vocab_size}; batch {args.global_batch}×{args.seq_len} tokens, micro-batch {args.micro_batch}; "

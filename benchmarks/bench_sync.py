@@ -20,7 +20,6 @@ slowest rank's; A and B alternate in blocks (``--rounds`` pairs).
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
 from functools import partial
 
 import torch
@@ -38,7 +37,7 @@ from chameleon.runtime.schedule import sync_gradients
 from chameleon.runtime.stage import StageState, role_of
 
 # The plain side runs torch.optim.AdamW at a constant rate, unclipped: so does ours.
-TRAIN = {**asdict(TrainConfig()), "lr_schedule": "constant", "warmup_steps": 0, "clip_norm": 0.0}
+TRAIN = TrainConfig(lr_schedule="constant", warmup_steps=0, clip_norm=0.0)
 
 
 def layer_units(layout: Layout) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -55,8 +54,8 @@ def _worker(rank: int, world: int, store, model: ModelConfig, plan: Plan, args) 
     layout = spec_of(model).layout(model, plan)
     rounds = sync_rounds(layout)
     units = layer_units(layout)
-    gen = Generation(store, connect_store=partial(connect_store, HOST, store.port, timeout_s=TIMEOUT_S), generation=0,
-                     devices=plan.devices, me=rank, backend="gloo", timeout_s=TIMEOUT_S,
+    gen = Generation(connect_store=partial(connect_store, HOST, store.port, timeout_s=TIMEOUT_S), generation=0,
+                     me=rank, backend="gloo", timeout_s=TIMEOUT_S,
                      groups=[g.devices for groups in rounds for g in groups] + [d for d, _ in units])
     state = StageState.create(model, role_of(plan, rank), seed=0, train=TRAIN, device=torch.device("cpu"))
     torch.manual_seed(rank)

@@ -157,13 +157,19 @@ def register_configs() -> None:
 
 
 def to_container(cfg: DictConfig) -> dict:
-    """A plain, resolved dict of the config (picklable; what workers receive)."""
+    """A plain, resolved dict of the config."""
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
 
 
-def world_size(launcher: DictConfig | dict) -> int:
+def to_config(cfg: DictConfig) -> Config:
+    """The typed :class:`Config` of a composed config, resolved (what the runtime receives)."""
+    body = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), body))
+
+
+def world_size(launcher) -> int:
     """Devices of the whole job: ``launcher.nnodes · launcher.nproc_per_node`` (one node when unresolved)."""
-    return (launcher["nnodes"] or 1) * launcher["nproc_per_node"]
+    return (launcher.nnodes or 1) * launcher.nproc_per_node
 
 
 def _world_text(launcher) -> str:
@@ -263,7 +269,7 @@ def validate(cfg: DictConfig) -> Plan:
     _check_memory(cfg, plan)
     _check_backend(cfg, plan)
     try:
-        planned_faults(OmegaConf.to_container(cfg.failure, resolve=True), world=n_devices, nnodes=launcher.nnodes)
+        planned_faults(cfg.failure, world=n_devices, nnodes=launcher.nnodes)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     ft = cfg.ft

@@ -123,14 +123,14 @@ def learning_rate(
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def schedule_of(train: Mapping) -> dict:
-    """The :func:`learning_rate` keywords of a ``train`` config."""
+def schedule_of(train) -> dict:
+    """The :func:`learning_rate` keywords of a ``train`` config (``chameleon.config.TrainConfig``)."""
     return {
-        "lr": train["lr"], "schedule": train["lr_schedule"], "warmup_steps": train["warmup_steps"],
-        "total_steps": train["steps"], "min_lr": train["min_lr"],
+        "lr": train.lr, "schedule": train.lr_schedule, "warmup_steps": train.warmup_steps,
+        "total_steps": train.steps, "min_lr": train.min_lr,
     }
 
 
-def hyperparameters(train: Mapping) -> dict:
+def hyperparameters(train) -> dict:
     """The :func:`adamw` keywords other than ``lr`` of a ``train`` config."""
-    return {k: train[k] for k in ("beta1", "beta2", "eps", "weight_decay")}
+    return {k: getattr(train, k) for k in ("beta1", "beta2", "eps", "weight_decay")}

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from chameleon import cli
-from chameleon.config import CONF_DIR, ConfigError, model_config, register_configs, to_container, validate
+from chameleon.config import CONF_DIR, ConfigError, model_config, register_configs, to_config, validate
 
 USAGE = """
 usage: python -m chameleon.train [+recipe=NAME] [GROUP=OPTION ...] [KEY=VALUE ...] [--multirun]
@@ -68,7 +68,7 @@ def _job(cfg: DictConfig) -> None:
     print(f"plan ({len(plan.devices)} workers):\n{plan.describe()}", flush=True)
     try:
         with tensorboard_mirror(run_dir, enabled=cfg.report.tensorboard):
-            summary = run_training(to_container(cfg), plan=plan, run_dir=run_dir, secret=secret)
+            summary = run_training(to_config(cfg), plan=plan, run_dir=run_dir, secret=secret)
     except JobRestart as err:
         _stop(f"chameleon: {err}", EXIT_RELAUNCH)
     except Preempted as err:
@@ -131,7 +131,7 @@ def _serve_node(cfg: DictConfig) -> int:
         key = job_key(job_secret(launcher.nnodes))
     except LaunchError as err:
         cli.fail(err)
-    config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+    config = to_config(cfg)
     print(f"chameleon agent {launcher.node_rank}: joining the controller at "
           f"{launcher.master_addr}:{launcher.control_port}", file=sys.stderr, flush=True)
     try:

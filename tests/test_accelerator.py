@@ -7,9 +7,12 @@ single-process reference.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from chameleon.config import TrainConfig
 from chameleon.layout.plan import even_plan
 from chameleon.model.config import ModelConfig
 from chameleon.runtime.stage import KINDS, StageState, role_of
@@ -22,14 +25,14 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16)
-TRAIN = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "clip_norm": 1.0,
-         "lr_schedule": "cosine", "warmup_steps": 1, "steps": 4, "min_lr": 1e-3}
+TRAIN = TrainConfig(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0, lr_schedule="cosine",
+                    warmup_steps=1, steps=4, min_lr=1e-3)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_state_stays_on_the_device_and_steps_like_the_cpu(dtype):
     role = role_of(even_plan(dp=1, pp=1, tp=1, n_layers=2, global_batch=2, micro_batch=1), 0)
-    states = {d: StageState.create(CFG, role, seed=0, train={**TRAIN, "dtype": dtype}, device=torch.device(d))
+    states = {d: StageState.create(CFG, role, seed=0, train=replace(TRAIN, dtype=dtype), device=torch.device(d))
               for d in ("cpu", "cuda")}
     for state in states.values():
         for step in range(3):

@@ -31,7 +31,8 @@ JOB = ("model.dim=64", "model.n_layers=4", "train.global_batch=12", "train.micro
        "ft.heartbeat_timeout_s=2.0", "report.plots=false")
 LAYOUT = ("launcher.nproc_per_node=2", "parallel.dp=3", "parallel.pp=2")
 ONE_HOST = ("launcher.nproc_per_node=6", "parallel.dp=3", "parallel.pp=2")  # the same devices on one host
-SHORT, LONG = ("train.steps=8",), ("train.steps=200",)
+# LONG outlasts an agent restarted from scratch (a Python start, torch, the forkserver): ~20 s of steps here.
+SHORT, LONG = ("train.steps=8",), ("train.steps=400",)
 
 
 class Cluster(Loopback):

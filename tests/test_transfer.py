@@ -17,7 +17,7 @@ from chameleon.layout.relayout import relabel_plan, relayout
 from chameleon.layout.spec import layout_of
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import TP_RULES, param_shapes, stage_param_names
-from chameleon.runtime.comm import Generation, PeerFailure, fault_key
+from chameleon.runtime.comm import Generation, PeerFailure
 from chameleon.runtime.transfer import execute_manifest
 
 WORLD = 4
@@ -26,6 +26,7 @@ SHAPES = param_shapes(CFG)
 NAMES = partial(stage_param_names, CFG)
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 FAULT_DEADLINE_S = 0.5
+FAULT = "fault"  # this test plays the controller: its flag lives in the store
 
 
 def originals() -> dict[str, dict[str, torch.Tensor]]:
@@ -84,9 +85,13 @@ def run_rank(rank: int, port: int, release) -> tuple:
     torch.set_num_threads(1)
     client = partial(dist.TCPStore, "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     store = client()
-    gen = Generation(store, connect_store=client, generation=0, devices=range(WORLD), me=rank, backend="gloo", timeout_s=30)
-    truth = originals()
     a_to_b, b_to_c, c_to_a, faulty = transitions()
+    pairs = {tuple(sorted((m.src, m.dst))) for manifest in (a_to_b, b_to_c, c_to_a, faulty)
+             for r in manifest.rounds for m in r}
+    world = tuple(range(WORLD))  # a barrier's group
+    gen = Generation(connect_store=client, generation=0, me=rank, backend="gloo", timeout_s=30,
+                     groups=[world, *pairs], flagged=lambda: store.check([FAULT]))
+    truth = originals()
     initial = {k: {n: truth[k][n][box(r)].clone() for n, r in c_to_a.after[rank].items()} for k in KINDS}
     bad: list[str] = []
     if rank == 1:  # device 1 dies during A → B: it takes no part and loses its state
@@ -102,13 +107,13 @@ def run_rank(rank: int, port: int, release) -> tuple:
         same = set(state[kind]) == set(initial[kind])
         if not same or not all(torch.equal(state[kind][n], initial[kind][n]) for n in initial[kind]):
             bad.append(f"device {rank}: {kind} is not restored to layout A")
-    gen.all_reduce(torch.zeros(1))  # a barrier
+    gen.all_reduce(torch.zeros(1), world)  # a barrier
 
     victim = next(m.src for r in faulty.rounds for m in r if m.dst == 0)
     outcome = "hung"
     if rank == victim:  # alive but silent, as a hung worker; then flags the fault as the controller would
         time.sleep(FAULT_DEADLINE_S)
-        store.set(fault_key(0), "1")
+        store.set(FAULT, "1")
         release.wait(timeout=30)
     else:
         t0 = time.monotonic()
@@ -161,4 +166,4 @@ def test_a_to_b_to_c_to_a_is_bit_exact_and_faults_abandon_fast():
         outcome = got[r][1]
         assert outcome.startswith("raised"), (r, outcome)
         seconds = float(outcome.split()[2].rstrip("s"))
-        assert seconds < FAULT_DEADLINE_S + 2, "the fault is noticed from the store flag, not at the group timeout"
+        assert seconds < FAULT_DEADLINE_S + 2, "the fault is noticed from the flag, not at the group timeout"

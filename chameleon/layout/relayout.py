@@ -23,7 +23,7 @@ a manifest.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from chameleon.layout.colouring import dsatur
@@ -217,3 +217,25 @@ def _rounds(moves: list[Move]) -> tuple[tuple[Move, ...], ...]:
     return tuple(
         tuple(m for link, c in zip(order, colours) if c == r for m in links[link]) for r in range(n_rounds)
     )
+
+
+def manifest_parts(manifest: Manifest, node_of: Callable[[int], int]) -> dict[int, Manifest]:
+    """Each node's part of ``manifest``, in one pass: the moves its devices take part in (every round kept, so
+    rounds keep their indices, empty where they have none) and their regions before and after."""
+    local: dict[int, list[Move]] = {}
+    rounds: dict[int, list[list[Move]]] = {}
+    for m in manifest.local:
+        local.setdefault(node_of(m.dst), []).append(m)
+    for r, moves in enumerate(manifest.rounds):
+        for m in moves:
+            for node in {node_of(m.src), node_of(m.dst)}:
+                rounds.setdefault(node, [[] for _ in manifest.rounds])[r].append(m)
+    before: dict[int, dict] = {}
+    after: dict[int, dict] = {}
+    for held, out in ((manifest.before, before), (manifest.after, after)):
+        for d, regions in held.items():
+            out.setdefault(node_of(d), {})[d] = regions
+    nodes = set(local) | set(rounds) | set(before) | set(after)
+    empty = tuple(() for _ in manifest.rounds)
+    return {n: Manifest(tuple(local.get(n, ())), tuple(map(tuple, rounds[n])) if n in rounds else empty,
+                        before.get(n, {}), after.get(n, {})) for n in nodes}

@@ -116,9 +116,9 @@ def writers(layout: Layout) -> dict[int, dict[str, Region]]:
     return out
 
 
-def checkpoint_root(ckpt: Mapping[str, Any], run_dir: str | Path) -> Path:
-    """Where a run's checkpoints live: ``ckpt.dir``, else ``<run dir>/checkpoints``."""
-    return Path(ckpt["dir"]).expanduser() if ckpt["dir"] else Path(run_dir) / "checkpoints"
+def checkpoint_root(ckpt, run_dir: str | Path) -> Path:
+    """Where a run's checkpoints live: ``ckpt.dir`` (of a ``CheckpointConfig``), else ``<run dir>/checkpoints``."""
+    return Path(ckpt.dir).expanduser() if ckpt.dir else Path(run_dir) / "checkpoints"
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -6,12 +6,15 @@ blocked call stays blocked until the group's timeout (measured with torch 2.13).
 - A generation's groups are raw backend objects (``ProcessGroupGloo`` …) on a
   fresh store prefix, outside c10d's global default group: a generation that saw a
   fault is simply abandoned (kept referenced, never destroyed, never reused) and
-  the next one is built beside it.
+  the next one is built beside it. A generation left in good order (a growth's
+  switch at a commit: every op of every group completed) hands its groups to the
+  next, which keeps those whose members are unchanged.
 - Every blocking call — connecting the groups, ``Work.wait()`` of a collective or
   point-to-point op — runs in a daemon thread while the main thread polls its
-  completion and the fault flag the controller sets in the store. Gloo's
-  point-to-point ``Work.is_completed()`` only turns true inside ``wait()``, hence
-  the thread rather than polling ``is_completed``.
+  completion and the fault flag, which the node agent writes into the worker's
+  shared board (:mod:`chameleon.runtime.downlink`): polling it is a memory read,
+  never a network round trip. Gloo's point-to-point ``Work.is_completed()`` only
+  turns true inside ``wait()``, hence the thread rather than polling ``is_completed``.
 - Only a real peer failure is a :class:`PeerFailure`: the generation was flagged by
   the controller. When a communication call fails first (a peer's process died and
   its connection closed), the worker waits up to ``confirm_s`` for the controller to
@@ -19,7 +22,7 @@ blocked call stays blocked until the group's timeout (measured with torch 2.13).
 - NCCL and HCCL mean something else by ``wait()``; their completion is polled as
   they define it (:mod:`chameleon.runtime.completion`).
 
-Devices keep their ids across generations; each generation maps them to ranks.
+Devices keep their ids across generations; in a group, ranks follow device order.
 """
 
 from __future__ import annotations
@@ -35,11 +38,10 @@ import torch
 import torch.distributed as dist
 
 from chameleon.runtime.beacon import GROUP, NOBODY, Beacon
-from chameleon.runtime.errors import ControllerLost
 from chameleon.runtime.completion import abort, polls_completion, post_p2p, wait_polled
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-POLL_INTERVAL_S = 0.005  # fault-flag checks while waiting; completion itself wakes the wait at once
+POLL_INTERVAL_S = 0.002  # fault-flag checks (a shared-memory read) while waiting; completion wakes the wait at once
 ABANDONED: list[Generation] = []  # broken generations stay referenced: their destructors would block
 
 
@@ -47,14 +49,71 @@ class PeerFailure(RuntimeError):
     """A peer of this generation failed; the in-flight work must be abandoned."""
 
 
-def fault_key(generation: int) -> str:
-    """The store key the controller sets when a worker of ``generation`` fails."""
-    return f"fault/gen{generation}"
+def group_prefix(generation: int, members: tuple[int, ...]) -> str:
+    """The store prefix under which ``members`` rendezvous for their group of ``generation``.
+
+    The store serves process-group rendezvous only, and these prefixes are its only keys
+    (each backend writes its own rendezvous values under them).
+    """
+    return f"gen{generation}/group/{'-'.join(map(str, members))}"
 
 
-def connect_store(host: str, port: int, *, timeout_s: float) -> dist.TCPStore:
-    """A client of the controller's TCPStore."""
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+def connect_store(host: str, port: int, *, timeout_s: float) -> dist.Store:
+    """A client of the controller's TCPStore, counting this process's operations (:func:`store_ops`)."""
+    return CountedStore(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                                      wait_for_workers=False))
+
+
+_OPS = [0]
+
+
+def store_ops() -> int:
+    """Store operations this process has made through :func:`connect_store`'s clients (every group's rendezvous)."""
+    return _OPS[0]
+
+
+class CountedStore(dist.Store):
+    """A store that forwards every operation to ``inner`` and counts it; the backends' own rendezvous goes through
+    it too (a Python store is called back from C++)."""
+
+    def __init__(self, inner: dist.Store):
+        super().__init__()
+        self.inner = inner
+
+    def set(self, key, value):
+        _OPS[0] += 1
+        return self.inner.set(key, value)
+
+    def get(self, key):
+        _OPS[0] += 1
+        return self.inner.get(key)
+
+    def add(self, key, value):
+        _OPS[0] += 1
+        return self.inner.add(key, value)
+
+    def check(self, keys):
+        _OPS[0] += 1
+        return self.inner.check(keys)
+
+    def compare_set(self, key, expected, desired):
+        _OPS[0] += 1
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        _OPS[0] += 1
+        return self.inner.delete_key(key)
+
+    def wait(self, keys, timeout=None):
+        _OPS[0] += 1
+        return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+    def num_keys(self):
+        _OPS[0] += 1
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout):
+        return self.inner.set_timeout(timeout)
 
 
 def _new_group(
@@ -82,23 +141,31 @@ def _new_group(
 class Generation:
     """The process groups of one generation and fault-aware waits on them.
 
+    Only the groups the plan uses are built: one per gradient-sync bucket and TP
+    stage, and one per pair of devices that exchange activations or state (no
+    world group: gloo's full mesh over every member would cost each rank a
+    connection per member, and the store a rendezvous quadratic in them). Every
+    device builds the groups it belongs to in the one order all share (sorted),
+    so no two devices can wait on each other's groups in a cycle.
+
     Args:
-        store: the controller's store (unprefixed), polled for the fault flag.
-        connect_store: opens a fresh client of that store for this generation's
-            rendezvous: a rendezvous blocked on a dead peer then holds only its own
-            connection, never the one the fault flag is polled through.
+        connect_store: opens a fresh client of the controller's store for this
+            generation's rendezvous: a rendezvous blocked on a dead peer then holds
+            only its own connection.
         generation: generation number; names the store prefix of its groups.
-        devices: every device of the generation; its rank is its index here.
         me: this worker's device id.
         backend: ``gloo``, ``nccl`` or ``hccl``.
         timeout_s: backend timeout; never reached on a fault, which is polled instead.
-        groups: device sets that need their own group (sync and TP groups), in one
-            order shared by every device; only members connect to a group.
+        groups: every group of the generation (device tuples); only members build one.
+        flagged: True once the controller flagged this generation broken (a read of
+            the worker's shared board: no network round trip).
         host: the address this node's gloo traffic binds to (None: the hostname's).
         confirm_s: how long a failed communication call waits for the controller to
             flag a peer failure before it counts as an error of its own.
         beacon: where this worker's waits are shown to its agent (optional).
-        on_connect: called between connecting the world group and the others (fault injection).
+        reuse: the previous generation, left in good order (a growth's switch), whose
+            groups with the same members are kept instead of rebuilt.
+        on_connect: called after the first group connects (fault injection).
 
     Raises:
         PeerFailure: when the controller flags a fault before the groups connect.
@@ -106,69 +173,61 @@ class Generation:
 
     def __init__(
         self,
-        store: dist.Store,
         *,
         connect_store: Callable[[], dist.Store],
         generation: int,
-        devices: Sequence[int],
         me: int,
         backend: str,
         timeout_s: float,
         groups: Sequence[tuple[int, ...]] = (),
+        flagged: Callable[[], bool] = lambda: False,
         host: str | None = None,
         confirm_s: float = 5.0,
         beacon: Beacon | None = None,
+        reuse: Generation | None = None,
         on_connect: Callable[[], None] | None = None,
     ):
-        self.store = store
         self.confirm_s = confirm_s
         self.beacon = beacon
         self.generation = generation
-        self.devices = tuple(devices)
         self.me = me
         self.backend = backend
-        self._rank = {d: r for r, d in enumerate(self.devices)}
-        self._fault = fault_key(generation)
+        self._flagged = flagged
         self._waiter = _Waiter(name=f"chameleon-wait-gen{generation}")
         timeout = timedelta(seconds=timeout_s)
-        prefix = f"gen{generation}"
-
-        store_client = self.call(connect_store)
-        self.world = self.call(lambda: _new_group(
-            backend, dist.PrefixStore(f"{prefix}/world", store_client), self.rank, len(self.devices), timeout, host
-        ), waiting_on=GROUP)
+        kept = reuse._groups if reuse is not None else {}
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self.built = 0
+        store_client = None
+        for members in sorted({tuple(sorted(g)) for g in groups if me in g and len(set(g)) > 1}):
+            if members in kept:
+                self._groups[members] = kept[members]
+                continue
+            if store_client is None:
+                store_client = self.call(connect_store)
+            sub_store = dist.PrefixStore(group_prefix(generation, members), store_client)
+            self._groups[members] = self.call(
+                partial(_new_group, backend, sub_store, members.index(me), len(members), timeout, host), waiting_on=GROUP,
+            )
+            self.built += 1
+            if on_connect is not None:
+                on_connect()
+                on_connect = None
         if on_connect is not None:
             on_connect()
-        self._groups = {}
-        for members in dict.fromkeys(groups):
-            if me in members and 1 < len(members) < len(self.devices):  # the world's own set uses the world
-                sub_store = dist.PrefixStore(f"{prefix}/group/{'-'.join(map(str, members))}", store_client)
-                self._groups[members] = self.call(
-                    partial(_new_group, backend, sub_store, members.index(me), len(members), timeout, host),
-                    waiting_on=GROUP,
-                )
-
-    @property
-    def rank(self) -> int:
-        return self._rank[self.me]
-
-    def rank_of(self, device: int) -> int:
-        return self._rank[device]
 
     def group(self, members: tuple[int, ...]) -> dist.ProcessGroup:
-        """The group over ``members`` (which must include this device and have been declared)."""
-        return self.world if len(members) == len(self.devices) else self._groups[members]
+        """The group over ``members`` (sorted; it must include this device and have been declared)."""
+        return self._groups[members]
+
+    def _pair(self, device: int) -> tuple[dist.ProcessGroup, int]:
+        """The group of this device and ``device``, and ``device``'s rank in it."""
+        members = (self.me, device) if self.me < device else (device, self.me)
+        return self._groups[members], members.index(device)
 
     def flagged(self) -> bool:
-        """True once the controller flagged a fault in this generation.
-
-        Raises:
-            ControllerLost: the controller's store cannot be reached.
-        """
-        try:
-            return self.store.check([self._fault])
-        except RuntimeError as err:
-            raise ControllerLost("the controller is gone (its store closed the connection)") from err
+        """True once the controller flagged a fault in this generation."""
+        return self._flagged()
 
     def check(self) -> None:
         """Raise :class:`PeerFailure` if the controller flagged a fault in this generation."""
@@ -212,15 +271,16 @@ class Generation:
                     self.beacon.waiting(NOBODY)
 
     def send(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work:
-        return self._post(post_p2p, self.backend, self.world.send, tensor, self.rank_of(device), tag, False)
+        group, rank = self._pair(device)
+        return self._post(post_p2p, self.backend, group.send, tensor, rank, tag, False)
 
     def recv(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work:
-        return self._post(post_p2p, self.backend, self.world.recv, tensor, self.rank_of(device), tag, True)
+        group, rank = self._pair(device)
+        return self._post(post_p2p, self.backend, group.recv, tensor, rank, tag, True)
 
-    def all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...] | None = None) -> None:
-        """In-place sum over ``members`` (default: every device)."""
-        group = self.world if members is None else self.group(members)
-        self.wait(self._post(group.allreduce, [tensor]))
+    def all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...]) -> None:
+        """In-place sum over ``members`` (sorted device ids, a declared group)."""
+        self.wait(self._post(self.group(members).allreduce, [tensor]))
 
     def _post(self, op: Callable[..., dist.Work], *args) -> dist.Work:
         """Issue an asynchronous op; posting to a connection a dead peer closed fails at once."""
@@ -246,7 +306,7 @@ class Generation:
         """
         ABANDONED.append(self)
         if polls_completion(self.backend):
-            abort([self.world, *self._groups.values()])
+            abort(list(self._groups.values()))
 
 
 class _Pending:

@@ -65,6 +65,7 @@ class Coordinator:
         self.checkpoint_steps, self.domains = checkpoint_steps, domains
         self.model, self.spec = model, spec_of(model)
         self.shapes = self.spec.param_shapes(model)
+        self._estimated: tuple[Plan | None, float] = (None, 0.0)
 
     def layout(self, plan: Plan) -> Layout:
         return self.spec.layout(self.model, plan)
@@ -74,7 +75,10 @@ class Coordinator:
         return tuple(sorted(writers(self.layout(plan))))
 
     def step_estimate(self, plan: Plan) -> float:
-        return estimate_step(self.profile, plan, reroute_slots=self.policy.reroute_slots).t_step
+        """The estimator's step time of ``plan`` (the last plan's is kept: the resident plan is asked often)."""
+        if self._estimated[0] is not plan:
+            self._estimated = (plan, estimate_step(self.profile, plan, reroute_slots=self.policy.reroute_slots).t_step)
+        return self._estimated[1]
 
     def recover(
         self, resident: Plan, *, alive: set[int], next_step: int, saved: SavedState | None, now: float,

@@ -1,12 +1,15 @@
 """Fault detection from silence: lapsed node leases, and workers that stopped making progress.
 
 Process exits and stopped heartbeats are seen by each node's agent, which reports
-them; what only the controller can see is here. A remote node whose lease is not
-renewed within ``lease_timeout_s`` is lost (its agent fences its own workers). And
-when no step commits for longer than the progress bound, the watchdog looks at
-every device that has not reported: one whose progress counter stood still while it
-was neither waiting on a peer nor on the controller is stuck — alive, heartbeating,
-not progressing — and is fenced like a hung one.
+them; what only the controller can see is here. A node whose agent sent nothing
+within ``lease_timeout_s`` is lost (the agent fences its own workers): every message
+a node sends renews its lease, and an agent with nothing to say sends a lease. And
+when no step commits for longer than the progress bound, the watchdog asks every
+agent where its workers are (each answers with every worker's position and how
+long its progress counter has stood still, measured on its node); a device that
+has not reported the open step and whose counter stood still for the whole bound
+while it was neither waiting on a peer nor on the controller is stuck — alive,
+heartbeating, not progressing — and is fenced like a hung one.
 """
 
 from __future__ import annotations
@@ -14,13 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from chameleon.runtime.beacon import NOBODY, WAITING_ON_CONTROLLER, Position
-
-
-@dataclass
-class _Seen:
-    position: Position
-    progress: int
-    changed_at: float
 
 
 @dataclass(frozen=True)
@@ -38,14 +34,18 @@ class Stall:
 
 
 class Detector:
-    """Leases of remote nodes and the progress of every device (see the module doc)."""
+    """Leases of remote nodes and the stall verdict over reported positions (see the module doc)."""
 
     def __init__(self, *, lease_timeout_s: float):
         self.lease_timeout_s = lease_timeout_s
         self.leases: dict[int, float] = {}
-        self.seen: dict[int, _Seen] = {}
 
     def renewed(self, node: int, now: float) -> None:
+        if node in self.leases:
+            self.leases[node] = now
+
+    def watch(self, node: int, now: float) -> None:
+        """Start holding ``node`` to its lease."""
         self.leases[node] = now
 
     def forget(self, node: int) -> None:
@@ -55,25 +55,18 @@ class Detector:
         """Nodes whose lease was not renewed in time."""
         return [n for n, t in self.leases.items() if now - t > self.lease_timeout_s]
 
-    def observe(self, positions: dict[int, tuple[Position, int]], now: float) -> None:
-        """Record devices' positions and progress counters (from a lease, or the local agent)."""
-        for device, (position, progress) in positions.items():
-            seen = self.seen.get(device)
-            if seen is None or seen.progress != progress:
-                self.seen[device] = _Seen(position, progress, now)
-            else:
-                seen.position = position
 
-    def position(self, device: int) -> Position | None:
-        seen = self.seen.get(device)
-        return seen.position if seen else None
+def stall(silent: set[int], positions: dict[int, tuple[Position, float]], *, bound_s: float) -> Stall:
+    """Which of the ``silent`` devices are stuck on their own: not waiting, no progress for ``bound_s``.
 
-    def stall(self, silent: set[int], *, now: float, bound_s: float) -> Stall:
-        """Which of the ``silent`` devices are stuck on their own: not waiting, no progress for ``bound_s``."""
-        stuck, suspects = [], []
-        for device in sorted(silent):
-            seen = self.seen.get(device)
-            if seen is None or seen.position.waiting_on != NOBODY or seen.position.phase in WAITING_ON_CONTROLLER:
-                continue
-            (stuck if now - seen.changed_at > bound_s else suspects).append(device)
-        return Stall(tuple(stuck), tuple(suspects), {d: self.position(d) for d in silent})
+    ``positions``: each device's position and how long its progress counter has stood still.
+    """
+    stuck, suspects = [], []
+    for device in sorted(silent):
+        if device not in positions:
+            continue
+        position, quiet_s = positions[device]
+        if position.waiting_on != NOBODY or position.phase in WAITING_ON_CONTROLLER:
+            continue
+        (stuck if quiet_s > bound_s else suspects).append(device)
+    return Stall(tuple(stuck), tuple(suspects), {d: positions[d][0] if d in positions else None for d in silent})

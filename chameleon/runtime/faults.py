@@ -12,7 +12,9 @@ Kinds of fault, each on a device (``rank``) or a whole node (``node``):
 - ``node_hang``: SIGSTOP of the node agent (a partition), resumed after ``resume_after_s``.
 
 A fault pinned to a ``step`` and ``phase`` is fired by the victim worker itself at
-that exact point; for node faults, by the node's first device with a stage. Phases of
+that exact point; for node faults, the node's first device with a stage announces it
+there and the node's agent fires it as soon as the controller has noted where it
+struck (the agent dies with its node, so it could not report that afterwards). Phases of
 a step: ``forward``, ``backward``, ``sync``, ``optimizer``, or ``any`` (a uniformly
 random moment of the step's compute, at its end at the latest, before its commit). A device the
 plan leaves idle fires its faults of a step as that step starts.
@@ -86,49 +88,49 @@ class FailureConfig:
     seed: int = 0
 
 
-def planned_faults(cfg: dict, *, world: int, nnodes: int = 1, nproc_per_node: int | None = None) -> list[FaultSpec]:
-    """The faults a ``failure`` config asks for, validated.
+def planned_faults(cfg: FailureConfig, *, world: int, nnodes: int = 1) -> list[FaultSpec]:
+    """The faults a ``failure`` config asks for, validated (the typed config, or its composed node).
 
     Raises:
         ValueError: naming the ``failure.*`` key and the fix.
     """
-    kind = cfg["kind"]
+    kind = cfg.kind
     if kind not in CONFIG_KINDS:
         raise ValueError(f"failure.kind={kind!r}: use one of {', '.join(CONFIG_KINDS)}")
     if kind == "none":
         faults = []
     elif kind in FAULT_KINDS:
-        faults = [FaultSpec(kind=kind, rank=cfg["rank"], node=cfg["node"], step=cfg["step"], phase=cfg["phase"],
-                            round=cfg.get("round"), resume_after_s=cfg.get("resume_after_s"))]
+        faults = [FaultSpec(kind=kind, rank=cfg.rank, node=cfg.node, step=cfg.step, phase=cfg.phase, round=cfg.round,
+                            resume_after_s=cfg.resume_after_s)]
     elif kind == "schedule":
-        if not cfg["faults"]:
+        if not cfg.faults:
             raise ValueError("failure=schedule with an empty failure.faults: list faults, or use failure=none")
-        faults = [FaultSpec(**f) for f in cfg["faults"]]
+        faults = [f if isinstance(f, FaultSpec) else FaultSpec(**f) for f in cfg.faults]
     else:
         faults = _random_faults(cfg, world=world, nnodes=nnodes)
     for i, f in enumerate(faults):
         _check_fault(f, key="failure" if kind != "schedule" else f"failure.faults[{i}]", world=world, nnodes=nnodes)
-    rejoin = cfg.get("rejoin_after_s")
+    rejoin = cfg.rejoin_after_s
     if rejoin is not None and rejoin < 0:
         raise ValueError(f"failure.rejoin_after_s={rejoin}: use null (never) or a delay ≥ 0")
     return faults
 
 
-def _random_faults(cfg: dict, *, world: int, nnodes: int) -> list[FaultSpec]:
-    if cfg["mtbf_s"] <= 0 or cfg["max_faults"] < 0:
-        raise ValueError(f"failure.mtbf_s={cfg['mtbf_s']} / failure.max_faults={cfg['max_faults']}: must be > 0 and ≥ 0")
-    kinds = list(cfg["kinds"])
+def _random_faults(cfg: FailureConfig, *, world: int, nnodes: int) -> list[FaultSpec]:
+    if cfg.mtbf_s <= 0 or cfg.max_faults < 0:
+        raise ValueError(f"failure.mtbf_s={cfg.mtbf_s} / failure.max_faults={cfg.max_faults}: must be > 0 and ≥ 0")
+    kinds = list(cfg.kinds)
     timed = [k for k in FAULT_KINDS if k not in MAIN_THREAD_KINDS]
     if not kinds or any(k not in timed for k in kinds):
         raise ValueError(f"failure.kinds={kinds}: random faults are fired from outside; pick from {', '.join(timed)}")
-    rng = random.Random(cfg["seed"])
+    rng = random.Random(cfg.seed)
     at, faults = 0.0, []
-    for _ in range(cfg["max_faults"]):
-        at += rng.expovariate(1.0 / cfg["mtbf_s"])
+    for _ in range(cfg.max_faults):
+        at += rng.expovariate(1.0 / cfg.mtbf_s)
         kind = rng.choice(kinds)
         if kind in NODE_KINDS:
             faults.append(FaultSpec(kind=kind, rank=None, node=rng.randrange(1, nnodes) if nnodes > 1 else 1,
-                                    at_s=round(at, 3), resume_after_s=cfg.get("resume_after_s")))
+                                    at_s=round(at, 3), resume_after_s=cfg.resume_after_s))
         else:
             faults.append(FaultSpec(kind=kind, rank=rng.randrange(world), at_s=round(at, 3)))
     return faults
@@ -181,15 +183,15 @@ class WorkerFaults:
             node's first device with a stage, see :meth:`node_firer`).
         device: this worker's device.
         beacon: this worker's beacon.
-        announce: ``announce(fault, position)`` is called just before a fault fires.
+        announce: ``announce(fault, position)`` is called just before a fault fires; a node fault is
+            then fired by the node's agent, once the controller noted where it struck.
         node_of: the node of a device.
-        agent_pid: this node's agent (the target of ``node_hang``).
     """
 
     def __init__(self, faults: list[FaultSpec], *, device: int, beacon: Beacon,
-                 announce: Callable[[FaultSpec, Position], None], node_of: Callable[[int], int], agent_pid: int):
+                 announce: Callable[[FaultSpec, Position], None], node_of: Callable[[int], int]):
         self.device, self.beacon = device, beacon
-        self._announce, self._node_of, self._agent_pid = announce, node_of, agent_pid
+        self._announce, self._node_of = announce, node_of
         self._mine = [f for f in faults if f.rank == device and f.kind in DEVICE_KINDS]
         self._node = [f for f in faults if f.kind in NODE_KINDS and f.node == node_of(device)]
         self._firer = True
@@ -271,9 +273,7 @@ class WorkerFaults:
         elif f.kind == "device_error":
             raise DeviceFault(f"injected device fault ({f.describe()})")
         elif f.kind == "node_kill":
-            kill_node(self._agent_pid)
-        elif f.kind == "node_hang":
-            stop_and_resume(self._agent_pid, f.resume_after_s)
+            threading.Event().wait()  # the agent takes the whole node down, this process with it
 
 
 def kill_node(agent_pid: int) -> None:

@@ -2,16 +2,20 @@
 
 It knows which generation is current and who belongs to it, who is ready, which
 step is committed and which samples each step trained, and which checkpoint parts
-are on disk. It does no I/O: the controller feeds it messages and carries out what
-it returns. ``docs/protocol.md`` gives the state table it implements.
+are on disk. Node agents report their nodes whole (every member ready, every
+trainer synced, every writer saved), so the ledger books one report per node and
+step: its work per step grows with nodes, not devices. It does no I/O: the
+controller's protocol core feeds it and carries out what it returns.
+``docs/protocol.md`` gives the state table it implements.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from chameleon.runtime.errors import TrainingError
-from chameleon.runtime.messages import CheckpointSaved, Ready, Synced
+from chameleon.runtime.messages import NodeReady, NodeSaved, NodeSynced
 
 
 @dataclass(frozen=True)
@@ -24,13 +28,18 @@ class StartGeneration:
 
 @dataclass(frozen=True)
 class CommitStep:
-    """``step`` trained exactly its samples: commit it."""
+    """``step`` trained exactly its samples ``[start, stop)``: commit it.
+
+    ``grad_norm`` is the whole plan's gradient norm (the trainers' squared parts summed
+    in node order), ``t_synced`` when the slowest node's last trainer synced.
+    """
 
     step: int
     loss: float
-    sample_ids: tuple[int, ...]
+    samples: tuple[int, int]
     compute_s: float
-    grad_norm: float | None = None
+    grad_norm: float | None
+    t_synced: float
 
 
 @dataclass(frozen=True)
@@ -44,11 +53,7 @@ class CheckpointComplete:
 
 @dataclass
 class _Book:
-    loss: float = 0.0
-    sample_ids: list[int] = field(default_factory=list)
-    compute_s: float = 0.0
-    grad_norm: float | None = None
-    reported: set[int] = field(default_factory=set)
+    reports: dict[int, NodeSynced] = field(default_factory=dict)
 
 
 class Ledger:
@@ -57,11 +62,12 @@ class Ledger:
     Args:
         global_batch: samples per step; step ``k`` trains ``[k·B, (k+1)·B)``.
         steps: the last step is ``steps − 1``.
+        per_node: devices per node (device ``d`` lives on node ``d // per_node``).
         first_step: the first step to train (after a resume, the checkpoint's committed steps).
     """
 
-    def __init__(self, *, global_batch: int, steps: int, first_step: int = 0):
-        self.global_batch, self.steps = global_batch, steps
+    def __init__(self, *, global_batch: int, steps: int, per_node: int, first_step: int = 0):
+        self.global_batch, self.steps, self.per_node = global_batch, steps, per_node
         self.generation = -1
         self.members: frozenset[int] = frozenset()
         self.trainers: frozenset[int] = frozenset()
@@ -71,7 +77,8 @@ class Ledger:
         self.ready: set[int] = set()
         self.started = False
         self.broken = False
-        self._books: dict[int, _Book] = {}
+        self._trainers_on: dict[int, tuple[int, ...]] = {}
+        self._book = _Book()
         self._writers_of: dict[int, frozenset[int]] = {}
         self._saved: dict[tuple[int, int], set[int]] = {}
 
@@ -94,76 +101,91 @@ class Ledger:
             raise ValueError("trainers must be members and writers trainers")
         self.generation = generation
         self.members, self.trainers, self.writers = frozenset(members), frozenset(trainers), frozenset(writers)
+        self._trainers_on = {}
+        for d in sorted(self.trainers):
+            self._trainers_on[d // self.per_node] = self._trainers_on.get(d // self.per_node, ()) + (d,)
         self.resume_step, self.committed = resume_step, resume_step - 1
         self.ready, self.started, self.broken = set(), False, False
-        self._books.clear()
+        self._book = _Book()
         self._writers_of[generation] = self.writers  # an intact earlier generation may still finish a checkpoint
 
     def break_generation(self) -> None:
         """A member was lost: nothing of this generation commits any more, not even its checkpoints."""
         self.broken = True
-        self._books.clear()
+        self._book = _Book()
         self._writers_of.pop(self.generation, None)
         self._saved = {k: v for k, v in self._saved.items() if k[0] != self.generation}
 
-    def on_ready(self, msg: Ready) -> StartGeneration | None:
-        if self._stale(msg.generation) or self.started or msg.device not in self.members:
+    def on_ready(self, msg: NodeReady) -> StartGeneration | None:
+        if self._stale(msg.generation) or self.started:
             return None
-        self.ready.add(msg.device)
+        self.ready.update(d for d in msg.devices if d in self.members)
         if self.ready >= self.members:
             self.started = True
             return StartGeneration(self.generation, self.resume_step)
         return None
 
-    def on_synced(self, msg: Synced) -> CommitStep | None:
-        """Book a device's report of a step; the step commits once every trainer reported it.
+    def on_synced(self, msg: NodeSynced) -> CommitStep | None:
+        """Book a node's report of a step; the step commits once every node with trainers reported it.
 
         Raises:
-            TrainingError: the step's samples are not exactly its global samples, each once.
+            TrainingError: the report is out of order or names other trainers than the node's, or the
+                step's samples are not exactly its global samples, each once.
         """
-        if self._stale(msg.generation) or not self.started or msg.device not in self.trainers:
+        if self._stale(msg.generation) or not self.started:
             return None
         if msg.step != self.next_step:
-            raise TrainingError(f"device {msg.device} synced step {msg.step} while step {self.next_step} is open")
-        book = self._books.setdefault(msg.step, _Book())
-        if msg.device in book.reported:
-            raise TrainingError(f"device {msg.device} reported step {msg.step} twice")
-        book.loss += msg.loss_sum
-        book.sample_ids.extend(msg.sample_ids)
-        book.compute_s = max(book.compute_s, msg.compute_s)
-        book.grad_norm = msg.grad_norm if msg.grad_norm is not None else book.grad_norm
-        book.reported.add(msg.device)
-        if book.reported < self.trainers:
+            raise TrainingError(f"node {msg.node} synced step {msg.step} while step {self.next_step} is open")
+        expected = self._trainers_on.get(msg.node, ())
+        if tuple(msg.devices) != expected:
+            raise TrainingError(f"node {msg.node} reported step {msg.step} for devices {list(msg.devices)}, "
+                                f"but its trainers are {list(expected)}")
+        reports = self._book.reports
+        if msg.node in reports:
+            raise TrainingError(f"node {msg.node} reported step {msg.step} twice")
+        reports[msg.node] = msg
+        if len(reports) < len(self._trainers_on):
             return None
-        del self._books[msg.step]
+        self._book = _Book()
         start = msg.step * self.global_batch
-        ids = sorted(book.sample_ids)
-        if ids != list(range(start, start + self.global_batch)):
+        stop = start + self.global_batch
+        ranges = sorted(r for n in reports.values() for r in n.samples)
+        bounds = [start] + [x for r in ranges for x in r] + [stop]
+        if not ranges or any(a != b for a, b in zip(bounds[::2], bounds[1::2])) or any(lo >= hi for lo, hi in ranges):
             raise TrainingError(
-                f"step {msg.step} trained samples {ids} instead of [{start}, {start + self.global_batch}): "
+                f"step {msg.step} trained samples {_describe(ranges)} instead of [{start}, {stop}): "
                 "samples were lost or duplicated"
             )
         self.committed = msg.step
-        return CommitStep(msg.step, book.loss, tuple(ids), book.compute_s, book.grad_norm)
+        nodes = [reports[n] for n in sorted(reports)]
+        norms = [n.norm_sq for n in nodes if n.norm_sq is not None]
+        return CommitStep(
+            msg.step, sum(n.loss_sum for n in nodes), (start, stop), max(n.compute_s for n in nodes),
+            math.sqrt(sum(norms)) if norms else None, max(n.t_synced for n in nodes),
+        )
 
-    def on_checkpoint_saved(self, msg: CheckpointSaved) -> CheckpointComplete | None:
-        """Book a writer's part; complete once every writer of its generation saved (an intact earlier one too)."""
+    def on_saved(self, msg: NodeSaved) -> CheckpointComplete | None:
+        """Book a node's writers' parts; complete once every writer of its generation saved (an intact earlier one too)."""
         writers = self._writers_of.get(msg.generation)
-        if writers is None or msg.device not in writers:
+        if writers is None:
             return None
         saved = self._saved.setdefault((msg.generation, msg.step), set())
-        saved.add(msg.device)
+        saved.update(d for d in msg.devices if d in writers)
         if saved >= writers:
             del self._saved[(msg.generation, msg.step)]
             return CheckpointComplete(msg.step, msg.generation, tuple(sorted(writers)))
         return None
 
     def unreported(self) -> frozenset[int]:
-        """Trainers that have not reported the open step (members not ready, before the start)."""
+        """Trainers whose node has not reported the open step (members not ready, before the start)."""
         if not self.started:
             return self.members - self.ready
-        book = self._books.get(self.next_step)
-        return self.trainers - (book.reported if book else set())
+        reported = self._book.reports
+        return frozenset(d for n, ds in self._trainers_on.items() if n not in reported for d in ds)
 
     def _stale(self, generation: int) -> bool:
         return generation != self.generation or self.broken
+
+
+def _describe(ranges: list[tuple[int, int]]) -> str:
+    return ", ".join(f"[{lo}, {hi})" for lo, hi in ranges[:8]) + (" …" if len(ranges) > 8 else "")

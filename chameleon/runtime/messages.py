@@ -1,25 +1,133 @@
 """The typed messages between workers, node agents and the controller.
 
-Workers tell their agent (over a local pipe) and the agent relays to the controller
-(over an authenticated connection, or in-process on the controller's own node).
-Every message names the generation it belongs to: the controller drops what a
-stale generation says. Agents report on their workers (exits, hangs, positions) and
-renew their lease; the controller answers with commands.
+Everything the control plane says travels as one of these frozen dataclasses,
+encoded by :mod:`chameleon.runtime.codec` (JSON and raw tensor bytes; never a
+pickle). Every message names the generation it belongs to: what a stale
+generation says is dropped. ``docs/protocol.md`` gives who sends what, when.
+
+- worker → its agent (a local pipe): what the worker did (ready, synced, saved…);
+- agent → controller (the authenticated link, or in-process on node 0): the
+  node's workers *aggregated* — one :class:`NodeReady`, :class:`NodeSynced` or
+  :class:`NodeSaved` per node, not per device — plus the rare per-device events
+  (an exit, a hang, an error, a return);
+- controller → agents: orders, and the *pushed* state of the job — a new
+  generation (:class:`Publish`), its start (:class:`Begin`), each commit
+  (:class:`Commit`), a fault (:class:`Flag`);
+- agent → its workers (a local pipe, and a shared-memory board for fault flags):
+  the pushed state, so a worker never polls the network while it trains.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from chameleon.config import Config
+from chameleon.layout.plan import Pipeline, Plan, Reroute, Stage
+from chameleon.layout.relayout import Manifest, Move
+from chameleon.runtime import codec
 from chameleon.runtime.beacon import Position
 from chameleon.runtime.faults import FaultSpec
 
-# ----- worker → controller (relayed by the worker's agent) ------------------------------
+Samples = tuple[tuple[int, int], ...]
+"""Global sample ids as sorted, disjoint half-open ranges."""
+
+
+def sample_ranges(ids) -> Samples:
+    """``ids`` as sorted, merged half-open ranges (duplicates kept apart, so the ledger sees them)."""
+    out: list[list[int]] = []
+    for i in sorted(ids):
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return tuple((a, b) for a, b in out)
+
+
+# ----- the job's state, pushed down ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """One generation: its plan, its member devices, the step it resumes at, how state gets there
+    (a re-layout manifest from surviving replicas, or a checkpoint root), and its checkpoint writers."""
+
+    generation: int
+    plan: Plan
+    devices: tuple[int, ...]
+    resume_step: int
+    manifest: Manifest | None = None  # pushed apart, each node's part in a Moves before the Publish
+    checkpoint: str | None = None
+    writers: tuple[int, ...] = ()  # the devices that write its checkpoints
+    moves: bool = False  # state moves by a manifest (its part arrives as :class:`Moves`)
+
+
+@dataclass(frozen=True)
+class CommitOrder:
+    """What workers do after a committed step: save a checkpoint, then go on, stop, or switch generation."""
+
+    save: bool = False
+    stop: bool = False
+    switch_to: int | None = None
+
+
+@dataclass(frozen=True)
+class Moves:
+    """A node's part of a generation's re-layout manifest (:func:`chameleon.layout.relayout.manifest_for`),
+    pushed just before the generation's :class:`Publish`."""
+
+    generation: int
+    manifest: Manifest
+
+
+@dataclass(frozen=True)
+class Publish:
+    """A new generation, the same for every node (its manifest travels apart, as :class:`Moves`)."""
+
+    spec: GenerationSpec
+
+    @property
+    def generation(self) -> int:
+        return self.spec.generation
+
+
+@dataclass(frozen=True)
+class Begin:
+    """Every member of ``generation`` is ready: train from its resume step."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    """``step`` of ``generation`` committed: apply it (clipped by ``grad_norm``, the whole plan's), then ``order``."""
+
+    generation: int
+    step: int
+    order: CommitOrder
+    grad_norm: float | None
+    t_published: float  # the controller's clock when it sent the commit (latency measurements)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A member of ``generation`` was lost: abandon it."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class End:
+    """The job is over: a worker waiting for a generation leaves."""
+
+    generation: int
+
+
+# ----- worker → agent -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Standby:
-    """A worker is up and connected, waiting for a generation that includes it."""
+    """A worker is up, waiting for a generation that includes it."""
 
     device: int
     generation: int
@@ -35,15 +143,16 @@ class Ready:
 
 @dataclass(frozen=True)
 class Synced:
-    """A worker trained and synced ``step``: its summed loss and the samples its last stages trained."""
+    """A worker trained and synced ``step``: its summed loss, the samples its last stages trained, and its part
+    of the squared global gradient norm (when clipping)."""
 
     device: int
     generation: int
     step: int
     loss_sum: float
-    sample_ids: tuple[int, ...]
+    samples: Samples
     compute_s: float
-    grad_norm: float | None = None  # the global gradient norm (every trainer finds the same), when clipping
+    norm_sq: float | None = None
 
 
 @dataclass(frozen=True)
@@ -53,15 +162,6 @@ class CheckpointSaved:
     device: int
     generation: int
     step: int
-
-
-@dataclass(frozen=True)
-class Left:
-    """A worker left ``generation`` because a peer failed (the controller flagged it)."""
-
-    device: int
-    generation: int
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -78,7 +178,7 @@ class Failed:
 
 @dataclass(frozen=True)
 class Dying:
-    """A worker is about to fire an injected ``fault`` on itself (or on its node)."""
+    """A worker is about to fire an injected ``fault`` on itself (or, once :class:`Noted`, its agent on the node)."""
 
     device: int
     generation: int
@@ -98,15 +198,14 @@ class FinalShards:
 
 @dataclass(frozen=True)
 class Done:
-    """A worker finished and is exiting cleanly."""
+    """A worker finished and is exiting cleanly, after ``store_ops`` operations on the controller's store."""
 
     device: int
     generation: int
+    store_ops: int = 0
 
 
-WorkerMessage = Standby | Ready | Synced | CheckpointSaved | Left | Failed | Dying | FinalShards | Done
-
-# ----- agent → controller ----------------------------------------------------------------
+# ----- agent → controller ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -118,18 +217,61 @@ class Hello:
     pid: int
     host: str
     host_id: str
-    config: dict
+    config: Config
     returning: bool = False
     generation: int = -1
 
 
 @dataclass(frozen=True)
 class Lease:
-    """An agent renews its lease and reports its workers' positions and progress counters."""
+    """An agent that sent nothing for a lease period renews its lease."""
 
     node: int
     generation: int
-    positions: dict[int, tuple[Position, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodeReady:
+    """Every member of ``generation`` on the node is ready."""
+
+    node: int
+    generation: int
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class NodeSynced:
+    """Every trainer of ``generation`` on the node synced ``step``: their summed loss, their samples, their
+    slowest compute, their summed squared norm, and when the last of them synced (the node's clock)."""
+
+    node: int
+    generation: int
+    step: int
+    devices: tuple[int, ...]
+    loss_sum: float
+    samples: Samples
+    compute_s: float
+    norm_sq: float | None
+    t_synced: float
+
+
+@dataclass(frozen=True)
+class NodeSaved:
+    """Every checkpoint writer of ``generation`` on the node saved its part of the checkpoint at ``step``."""
+
+    node: int
+    generation: int
+    step: int
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Positions:
+    """An agent's answer to :class:`Probe`: each worker's position and how long its progress counter stood still."""
+
+    node: int
+    probe: int
+    positions: dict  # {device: (Position, quiet seconds)}
 
 
 @dataclass(frozen=True)
@@ -156,14 +298,12 @@ class Hung:
     t_last: float
 
 
-AgentMessage = Hello | Lease | Exited | Hung
-
-# ----- controller → agent ----------------------------------------------------------------
+# ----- controller → agent ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Renew:
-    """The controller renews an agent's lease."""
+    """The controller renews an agent's lease (it had nothing else to say)."""
 
     generation: int
 
@@ -186,12 +326,28 @@ class Inject:
 
 
 @dataclass(frozen=True)
+class Noted:
+    """The controller recorded a worker's :class:`Dying` of a node fault: its agent may take the node down."""
+
+    generation: int
+    device: int
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The progress watchdog asks every agent where its workers are (answered by :class:`Positions`)."""
+
+    generation: int
+    probe: int
+
+
+@dataclass(frozen=True)
 class Welcome:
     """The controller admits a node: the job's config, where its store is, and the workers to start."""
 
     node: int
     generation: int
-    config: dict
+    config: Config
     store_port: int
     run_dir: str
     start: Start
@@ -214,6 +370,16 @@ class Shutdown:
     generation: int
     why: str
     grace_s: float = 0.0
+    ended: bool = False  # the job itself ended (a late agent is told so, not refused)
 
 
-ControllerMessage = Welcome | Renew | Start | Inject | Signal | Shutdown
+PUSHED = (Moves, Publish, Begin, Commit, Flag, End)
+"""What an agent forwards to its workers."""
+
+codec.register(
+    Plan, Pipeline, Stage, Reroute, Manifest, Move, Position, FaultSpec, GenerationSpec, CommitOrder,
+    Moves, Publish, Begin, Commit, Flag, End, Standby, Ready, Synced, CheckpointSaved, Failed, Dying, FinalShards, Done,
+    Hello, Lease, NodeReady, NodeSynced, NodeSaved, Positions, Exited, Hung,
+    Renew, Start, Inject, Noted, Probe, Welcome, Signal, Shutdown,
+)
+codec.register_tree(Config)

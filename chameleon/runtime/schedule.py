@@ -17,6 +17,7 @@ from chameleon.layout.colouring import SyncGroup
 from chameleon.layout.plan import Plan, micro_batch_ranges
 from chameleon.layout.schedule import Action, executors
 from chameleon.layout.spec import Region
+from chameleon.config import TrainConfig
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import TensorParallelOps, spec_of
 from chameleon.runtime.comm import Generation
@@ -33,11 +34,12 @@ def message_tag(pipeline: int, sender_stage: int, backward: bool) -> int:
 
 @dataclass
 class StepResult:
-    """What one device contributes to a step: summed loss, the samples it trained (last stages), the grad norm."""
+    """What one device contributes to a step: summed loss, the samples it trained (last stages), and its part
+    of the squared global gradient norm (when clipping)."""
 
     loss_sum: float = 0.0
     sample_ids: list[int] = field(default_factory=list)
-    grad_norm: float | None = None  # the whole plan's, when train.clip_norm > 0
+    norm_sq: float | None = None  # Σ‖g‖² over this device's pieces of the plan's gradient, when train.clip_norm > 0
 
 
 def run_step(
@@ -49,27 +51,29 @@ def run_step(
     stream: SampleStream,
     gen: Generation,
     model: ModelConfig,
-    train: dict,
+    train: TrainConfig,
     rounds: SyncRounds,
     tp: TensorParallelOps | None,
     norm_regions: Mapping[str, Region] | None = None,
     on_phase: Callable[..., None] | None = None,
 ) -> StepResult:
-    """Forward and backward of this device's actions, the gradient sync, the global norm (no optimizer step).
+    """Forward and backward of this device's actions, the gradient sync, its part of the norm (no optimizer step).
 
     The loss of every micro-batch is its summed token cross-entropy divided by
     ``global_batch · seq_len``, so gradients summed over pipelines equal the
     single-process gradient of the mean loss. With ``train.clip_norm > 0`` the
-    global gradient norm follows the sync (:func:`global_grad_norm` over
-    ``norm_regions``, this device's part of ``checkpoint.writers``).
+    sum of squares of this device's pieces of the gradient follows the sync
+    (``norm_regions``, its part of ``checkpoint.writers``: over the plan they tile
+    every tensor once, whatever the pipelines, TP degrees and reroutes); the
+    controller adds the parts up, so the global norm costs no collective.
     ``on_phase(phase, step=, detail=)`` is called as each forward/backward (detail:
     the micro-batch) and each sync round starts: the worker's beacon and its fault
     injection hook in there.
     """
     me = gen.me
     first_micro = [r.start for r in micro_batch_ranges(plan)]
-    scale = 1.0 / (train["global_batch"] * train["seq_len"])
-    hidden_shape = (plan.micro_batch_size, train["seq_len"], model.dim)
+    scale = 1.0 / (train.global_batch * train.seq_len)
+    hidden_shape = (plan.micro_batch_size, train.seq_len, model.dim)
     hidden = {"device": state.device, "dtype": state.compute_dtype}
     result = StepResult()
     saved: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -83,7 +87,7 @@ def run_step(
             if on_phase is not None:
                 on_phase("forward", step=step, detail=i)
             ids = micro_batch_samples(
-                step, first_micro[p] + i, global_batch=train["global_batch"], micro_batch_size=plan.micro_batch_size
+                step, first_micro[p] + i, global_batch=train.global_batch, micro_batch_size=plan.micro_batch_size
             )
             if first or last:
                 tokens, targets = (x.to(state.device) for x in stream.batch(ids))
@@ -120,8 +124,8 @@ def run_step(
                 sends.append(gen.send(x.grad.contiguous(), executors(plan, p, s - 1, i)[t], tag=message_tag(p, s, True)))
     gen.wait(*sends)
     sync_gradients(rounds, state=state, gen=gen, on_round=None if on_phase is None else partial(on_phase, "sync", step=step))
-    if train["clip_norm"] > 0:
-        result.grad_norm = global_grad_norm(state, norm_regions or {}, gen=gen, members=tuple(sorted(plan.devices)))
+    if train.clip_norm > 0:
+        result.norm_sq = state.grad_sum_of_squares(norm_regions or {}).item()
     return result
 
 
@@ -149,17 +153,3 @@ def sync_gradients(
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-
-
-def global_grad_norm(state: StageState, regions: Mapping[str, Region], *, gen: Generation, members: tuple[int, ...]) -> float:
-    """The L2 norm of the whole plan's gradient, after the sync, the same on every device of ``members``.
-
-    ``regions`` are the pieces of the gradient this device counts: over all devices
-    of the plan they tile every tensor exactly once (``checkpoint.writers`` of the
-    plan's layout), whatever the pipelines, TP degrees and reroutes; replicas hold
-    equal gradients after the sync, so each piece is counted from one of them. One
-    scalar all-reduce over the plan's devices sums the squares.
-    """
-    total = state.grad_sum_of_squares(regions)
-    gen.all_reduce(total, members)
-    return total.sqrt().item()

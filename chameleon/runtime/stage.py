@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from chameleon.config import TrainConfig
 from chameleon.layout.plan import Plan, Stage
 from chameleon.layout.spec import Region, local_slices, placements_for, shard_region
 from chameleon.model.config import ModelConfig
@@ -81,15 +82,15 @@ class StageState:
         device: where every tensor lives (CPU, or an accelerator: no host copies).
     """
 
-    def __init__(self, tensors: Mapping[str, Mapping[str, Tensor]], regions: dict[str, Region], *, train: dict,
+    def __init__(self, tensors: Mapping[str, Mapping[str, Tensor]], regions: dict[str, Region], *, train: TrainConfig,
                  device: torch.device):
         self.regions, self.train, self.device = regions, train, device
-        self.compute_dtype = DTYPES[train["dtype"]]
+        self.compute_dtype = DTYPES[train.dtype]
         self._state = {kind: {n: _owned(tensors[kind][n], device) for n in regions} for kind in KINDS}
         self._new_step()
 
     @classmethod
-    def create(cls, model: ModelConfig, role: Role, *, seed: int, train: dict, device: torch.device) -> StageState:
+    def create(cls, model: ModelConfig, role: Role, *, seed: int, train: TrainConfig, device: torch.device) -> StageState:
         """Fresh state: this device's shards of the initial parameters (``model.init``), zero moments."""
         spec = spec_of(model)
         names = spec.stage_param_names(model, role.spec.layers, first=role.first, last=role.last)
@@ -131,7 +132,7 @@ class StageState:
                 gradients are scaled by :func:`clip_coefficient` first.
         """
         grads = {n: g for n, g in zip(self.regions, self.grads(list(self.regions)))}
-        factor = clip_coefficient(grad_norm, self.train["clip_norm"]) if grad_norm is not None else 1.0
+        factor = clip_coefficient(grad_norm, self.train.clip_norm) if grad_norm is not None else 1.0
         lr = learning_rate(step, **schedule_of(self.train))
         self.params, self._leaves = {}, {}
         # One tensor at a time: the update's transient memory is one tensor's, not the stage's.

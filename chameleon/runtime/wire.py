@@ -2,11 +2,18 @@
 
 Both ends hold the job's secret. On connect they prove it to each other with a
 challenge–response (HMAC-SHA256 of a fresh random nonce, each way) before anything
-is unpickled; a peer that cannot answer within ``HANDSHAKE_S`` is refused. After
-that every message is ``HMAC(key, direction ‖ sequence ‖ payload) ‖ payload``: a
-message that was forged, altered, replayed or reordered fails verification, and the
-link is dropped without acting on it. Payloads are pickles of the typed messages
-(:mod:`chameleon.runtime.messages`), read only after their MAC checks out.
+else is read; a peer that cannot answer within ``HANDSHAKE_S`` is refused. After
+that every frame on the wire is ``u32 length ‖ HMAC(key, direction ‖ sequence ‖
+payload) ‖ payload``: a message that was forged, altered, replayed or reordered fails
+verification, and the link is dropped without acting on it. Payloads are
+:mod:`chameleon.runtime.codec` frames (JSON and raw tensor bytes): even a peer that
+holds the secret can make the other end build only the codec's registered types.
+
+A link's socket is non-blocking: :meth:`Link.send` queues what the kernel does not
+take at once and :meth:`Link.flush` sends it when the socket is writable, so a
+stalled peer can never block the controller's loop; :meth:`Link.receive` returns
+every whole message that has arrived. The same encoded payload can be sent on many
+links (:meth:`Link.send_payload`): a broadcast is encoded once.
 
 This authenticates and integrity-protects the control traffic; it does not encrypt it.
 """
@@ -16,18 +23,21 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import pickle
 import queue
 import secrets
+import select
 import socket
 import struct
 import threading
-from multiprocessing.connection import Connection
+import time
+
+from chameleon.runtime import codec
 
 HANDSHAKE_S = 5.0
 _NONCE = 32
 _MAC = 32
-_HANDSHAKE_MAX = 256  # bytes a peer may send before it is authenticated
+_LEN = struct.Struct("<I")
+_MAX_FRAME = 1 << 30
 _AGENT, _CONTROLLER = b"agent", b"controller"
 
 
@@ -41,43 +51,138 @@ def job_key(secret: str) -> bytes:
 
 
 class Link:
-    """One authenticated, ordered message channel; ``send`` is safe from several threads."""
+    """One authenticated, ordered message channel over a non-blocking socket (see the module doc)."""
 
-    def __init__(self, conn: Connection, key: bytes, *, mine: bytes, theirs: bytes, peer: str):
-        self.conn, self.peer = conn, peer
-        self._key, self._mine, self._theirs = key, mine, theirs
+    def __init__(self, sock: socket.socket, key: bytes, *, mine: bytes, theirs: bytes, peer: str):
+        self.sock, self.peer = sock, peer
+        sock.setblocking(False)
+        self._mac = hmac.new(key, digestmod=hashlib.sha256)
+        self._mine, self._theirs = mine, theirs
         self._sent = self._received = 0
+        self._out = bytearray()
+        self._in = bytearray()
+        self._closed = False
+        self._early: list[tuple[object, bytes]] = []  # received, not yet returned (after a recv)
         self._lock = threading.Lock()
+        self.bytes_sent = self.bytes_received = 0
 
     def fileno(self) -> int:
-        return self.conn.fileno()
+        return self.sock.fileno()
 
     def send(self, message: object) -> None:
-        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._lock:
-            mac = _mac(self._key, self._mine, self._sent, payload)
-            self._sent += 1
-            self.conn.send_bytes(mac + payload)
-
-    def recv(self) -> object:
-        """The next message.
+        """Send ``message`` (queued if the socket cannot take it now).
 
         Raises:
-            EOFError: the peer closed the link.
-            AuthError: the message failed verification (the link must be dropped).
+            OSError: the link is broken.
         """
-        data = self.conn.recv_bytes()
-        mac, payload = data[:_MAC], data[_MAC:]
-        if not hmac.compare_digest(mac, _mac(self._key, self._theirs, self._received, payload)):
-            raise AuthError(f"a message from {self.peer} failed verification (forged, altered or replayed)")
-        self._received += 1
-        return pickle.loads(payload)
+        self.send_payload(codec.encode(message))
 
-    def poll(self, timeout: float = 0.0) -> bool:
-        return self.conn.poll(timeout)
+    def send_payload(self, payload: bytes) -> None:
+        """Send an encoded message (:func:`chameleon.runtime.codec.encode`)."""
+        with self._lock:
+            mac = self._digest(self._mine, self._sent, payload)
+            self._sent += 1
+            self._out += _LEN.pack(_MAC + len(payload)) + mac + payload
+            self._flush()
+
+    @property
+    def buffered(self) -> bool:
+        """True while messages already read wait for :meth:`receive` (its socket will not signal them)."""
+        return bool(self._early)
+
+    @property
+    def pending(self) -> bool:
+        """True while queued bytes wait for the socket to become writable."""
+        return bool(self._out)
+
+    def flush(self) -> None:
+        """Send what the socket takes now of the queued bytes."""
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        while self._out:
+            try:
+                sent = self.sock.send(self._out)
+            except BlockingIOError:
+                return
+            self.bytes_sent += sent
+            del self._out[:sent]
+
+    def receive(self) -> list[tuple[object, bytes]]:
+        """Every whole message that has arrived, with its encoded payload (to forward unchanged).
+
+        Raises:
+            EOFError: the peer closed the link (after every message it sent was returned).
+            AuthError: a message failed verification (the link must be dropped).
+        """
+        while True:
+            try:
+                chunk = self.sock.recv(1 << 20)
+            except BlockingIOError:
+                break
+            except OSError as err:
+                raise EOFError(str(err)) from err
+            if not chunk:
+                self._closed = True
+                break
+            self.bytes_received += len(chunk)
+            self._in += chunk
+        out, self._early = self._early, []
+        while len(self._in) >= _LEN.size:
+            (size,) = _LEN.unpack_from(self._in)
+            if not _MAC <= size <= _MAX_FRAME:
+                raise AuthError(f"a frame from {self.peer} has an impossible length ({size})")
+            if len(self._in) < _LEN.size + size:
+                break
+            frame = bytes(self._in[_LEN.size:_LEN.size + size])
+            del self._in[:_LEN.size + size]
+            mac, payload = frame[:_MAC], frame[_MAC:]
+            if not hmac.compare_digest(mac, self._digest(self._theirs, self._received, payload)):
+                raise AuthError(f"a message from {self.peer} failed verification (forged, altered or replayed)")
+            self._received += 1
+            try:
+                out.append((codec.decode(payload), payload))
+            except codec.CodecError as err:
+                raise AuthError(f"a message from {self.peer} is malformed: {err}") from None
+        if not out and self._closed:
+            raise EOFError(f"{self.peer} closed the link")
+        return out
+
+    def recv(self, timeout_s: float) -> object | None:
+        """The next message within ``timeout_s`` (None if none came); those after it wait for :meth:`receive`."""
+        deadline = time.monotonic() + timeout_s
+        while not self._early:
+            self._early = self.receive()
+            left = deadline - time.monotonic()
+            if self._early or left <= 0:
+                break
+            select.select([self.sock], [], [], left)
+        return self._early.pop(0)[0] if self._early else None
 
     def close(self) -> None:
-        self.conn.close()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def close_with(self, message: object, *, timeout_s: float = 1.0) -> None:
+        """Send a last ``message``, waiting at most ``timeout_s`` for the socket to take it, and close."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.send(message)
+            while self.pending and time.monotonic() < deadline:
+                select.select([], [self.sock], [], max(0.0, deadline - time.monotonic()))
+                self.flush()
+        except OSError:
+            pass
+        self.close()
+
+    def _digest(self, direction: bytes, sequence: int, payload: bytes) -> bytes:
+        mac = self._mac.copy()
+        mac.update(direction + sequence.to_bytes(8, "big", signed=True))
+        mac.update(payload)
+        return mac.digest()
 
 
 def connect(host: str, port: int, key: bytes, *, timeout_s: float = HANDSHAKE_S) -> Link:
@@ -88,19 +193,18 @@ def connect(host: str, port: int, key: bytes, *, timeout_s: float = HANDSHAKE_S)
         AuthError: the controller refused us, or could not prove the secret itself.
     """
     sock = socket.create_connection((host, port), timeout=timeout_s)
-    conn = _connection(sock, timeout_s)
     try:
-        challenge = _read(conn, _NONCE, timeout_s, "the controller")
+        _tune(sock)
+        challenge = _read(sock, _NONCE, timeout_s, "the controller")
         mine = secrets.token_bytes(_NONCE)
-        conn.send_bytes(_mac(key, _AGENT, -1, challenge) + mine)
-        answer = _read(conn, _MAC, timeout_s, "the controller")
-        if not hmac.compare_digest(answer, _mac(key, _CONTROLLER, -1, mine)):
+        _write(sock, _handshake_mac(key, _AGENT, challenge) + mine)
+        answer = _read(sock, _MAC, timeout_s, "the controller")
+        if not hmac.compare_digest(answer, _handshake_mac(key, _CONTROLLER, mine)):
             raise AuthError(f"the controller at {host}:{port} does not hold this job's secret")
-        _receive_timeout(conn, 0.0)
     except BaseException:
-        conn.close()
+        sock.close()
         raise
-    return Link(conn, key, mine=_AGENT, theirs=_CONTROLLER, peer=f"controller {host}:{port}")
+    return Link(sock, key, mine=_AGENT, theirs=_CONTROLLER, peer=f"controller {host}:{port}")
 
 
 def accept(sock: socket.socket, key: bytes, *, timeout_s: float = HANDSHAKE_S) -> Link:
@@ -110,19 +214,18 @@ def accept(sock: socket.socket, key: bytes, *, timeout_s: float = HANDSHAKE_S) -
         AuthError: the peer did not prove the secret in time; the connection is closed.
     """
     peer = "{}:{}".format(*sock.getpeername()[:2])
-    conn = _connection(sock, timeout_s)
     try:
+        _tune(sock)
         challenge = secrets.token_bytes(_NONCE)
-        conn.send_bytes(challenge)
-        reply = _read(conn, _MAC + _NONCE, timeout_s, peer)
-        if not hmac.compare_digest(reply[:_MAC], _mac(key, _AGENT, -1, challenge)):
+        _write(sock, challenge)
+        reply = _read(sock, _MAC + _NONCE, timeout_s, peer)
+        if not hmac.compare_digest(reply[:_MAC], _handshake_mac(key, _AGENT, challenge)):
             raise AuthError(f"{peer} does not hold this job's secret")
-        conn.send_bytes(_mac(key, _CONTROLLER, -1, reply[_MAC:]))
-        _receive_timeout(conn, 0.0)
+        _write(sock, _handshake_mac(key, _CONTROLLER, reply[_MAC:]))
     except BaseException:
-        conn.close()
+        sock.close()
         raise
-    return Link(conn, key, mine=_CONTROLLER, theirs=_AGENT, peer=peer)
+    return Link(sock, key, mine=_CONTROLLER, theirs=_AGENT, peer=peer)
 
 
 class Listener:
@@ -134,11 +237,12 @@ class Listener:
     """
 
     def __init__(self, host: str, port: int, key: bytes):
-        self._sock = socket.create_server((host, port), reuse_port=False)
+        self._sock = socket.create_server((host, port), reuse_port=False, backlog=1024)
         self.port = self._sock.getsockname()[1]
         self._key = key
         self.arrivals: queue.SimpleQueue[tuple[Link | None, str | None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
         threading.Thread(target=self._accept_forever, name="chameleon-listener", daemon=True).start()
 
     def fileno(self) -> int:
@@ -146,7 +250,10 @@ class Listener:
 
     def drain(self) -> list[tuple[Link | None, str | None]]:
         """Everything that arrived since the last call."""
-        os.read(self._wake_r, 4096)
+        try:
+            os.read(self._wake_r, 1 << 16)
+        except BlockingIOError:
+            pass
         out = []
         while not self.arrivals.empty():
             out.append(self.arrivals.get())
@@ -171,36 +278,39 @@ class Listener:
         os.write(self._wake_w, b"x")
 
 
-def _mac(key: bytes, direction: bytes, sequence: int, payload: bytes) -> bytes:
-    return hmac.new(key, direction + sequence.to_bytes(8, "big", signed=True) + payload, hashlib.sha256).digest()
+def _handshake_mac(key: bytes, direction: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, direction + (-1).to_bytes(8, "big", signed=True) + nonce, hashlib.sha256).digest()
 
 
-def _connection(sock: socket.socket, timeout_s: float) -> Connection:
-    """A blocking :class:`Connection` on ``sock`` whose reads give up after ``timeout_s`` (until cleared)."""
+def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.settimeout(None)
-    conn = Connection(sock.detach())
-    _receive_timeout(conn, timeout_s)
-    return conn
 
 
-def _receive_timeout(conn: Connection, seconds: float) -> None:
-    """Bound every read on ``conn`` at the socket level (0: no bound), so a stalled peer cannot pin a thread."""
-    view = socket.socket(fileno=os.dup(conn.fileno()))
-    try:
-        view.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
-    finally:
-        view.close()
+def _write(sock: socket.socket, data: bytes) -> None:
+    sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def _read(conn: Connection, size: int, timeout_s: float, who: str) -> bytes:
+def _read(sock: socket.socket, size: int, timeout_s: float, who: str) -> bytes:
     """A handshake message of exactly ``size`` bytes within ``timeout_s``."""
-    if not conn.poll(timeout_s):
-        raise AuthError(f"{who} sent nothing within {timeout_s:.0f} s of connecting")
-    try:
-        data = conn.recv_bytes(_HANDSHAKE_MAX)
-    except (OSError, EOFError) as err:
-        raise AuthError(f"{who} closed the connection or sent a malformed handshake: {err}") from err
-    if len(data) != size:
-        raise AuthError(f"{who} sent a malformed handshake ({len(data)} bytes)")
-    return data
+    deadline = time.monotonic() + timeout_s
+    data = b""
+    want = _LEN.size + size
+    while len(data) < want:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AuthError(f"{who} sent nothing within {timeout_s:.0f} s of connecting" if not data else
+                            f"{who} sent a malformed handshake (too short)")
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(want - len(data))
+        except TimeoutError:
+            continue
+        except OSError as err:
+            raise AuthError(f"{who} closed the connection or sent a malformed handshake: {err}") from err
+        if not chunk:
+            raise AuthError(f"{who} closed the connection during the handshake")
+        data += chunk
+        if len(data) >= _LEN.size and _LEN.unpack_from(data)[0] != size:
+            raise AuthError(f"{who} sent a malformed handshake ({_LEN.unpack_from(data)[0]} bytes)")
+    sock.settimeout(None)
+    return data[_LEN.size:]

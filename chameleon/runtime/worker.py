@@ -1,25 +1,28 @@
 """A worker process: one device, its role in the current generation's plan, training step by step.
 
-Each generation starts from a :class:`GenerationSpec` the controller publishes in
-the store: the plan, its members (devices, in rank order), the step to resume at,
-and how state reaches its new layout (a re-layout manifest executed from surviving
-replicas, or a checkpoint). A step is a transaction — forward/backward → gradient
-sync → *commit* (set by the controller once every worker synced) → optimizer
-step — so a fault before the commit discards the step everywhere, and it is redone
-with the same samples. The commit carries the controller's order for after the step:
-go on, save a checkpoint, stop, or move to a grown generation.
+Each generation starts from a :class:`~chameleon.runtime.messages.GenerationSpec`
+the controller pushes through the node agent: the plan, its members (devices, in
+rank order), the step to resume at, and how state reaches its new layout (a
+re-layout manifest executed from surviving replicas, or a checkpoint). A step is
+a transaction — forward/backward → gradient sync → *commit* (pushed by the
+controller once every trainer synced) → optimizer step — so a fault before the
+commit discards the step everywhere, and it is redone with the same samples. The
+commit carries the whole plan's gradient norm (the controller summed the
+trainers' parts) and the order for after the step: go on, save a checkpoint,
+stop, or move to a grown generation.
 
 On a peer's fault the worker abandons the generation (its groups are never reused),
 keeps its last committed state, and waits for the next spec. Any other error is
-reported to the controller with its traceback, and the process exits. The worker
-talks to its node agent over a pipe, shows where it is on a shared-memory beacon,
-and exits by itself, with one line, when its agent or the controller is gone.
+reported with its traceback, and the process exits. The worker talks to its node
+agent over two local pipes (reports up, pushed frames down), reads fault flags
+from shared memory, shows where it is on a shared-memory beacon, and exits by
+itself, with one line, when its agent is gone. It uses the controller's store
+only to connect its process groups.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -32,29 +35,31 @@ from pathlib import Path
 
 import torch
 
-from chameleon.config import model_config
+from chameleon.config import Config
 from chameleon.data.stream import SampleStream
 from chameleon.layout.colouring import sync_rounds
 from chameleon.layout.plan import Plan
-from chameleon.layout.relayout import Manifest
-from chameleon.layout.schedule import step_actions
+from chameleon.layout.schedule import executors, step_actions
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
+from chameleon.runtime import codec
 from chameleon.runtime.beacon import Beacon
 from chameleon.runtime.checkpoint import CheckpointWriter, checkpoint_root, latest_checkpoint, load_regions, writers
-from chameleon.runtime.comm import ABANDONED, BACKENDS, Generation, PeerFailure, connect_store
+from chameleon.runtime.comm import ABANDONED, BACKENDS, Generation, PeerFailure, connect_store, store_ops
 from chameleon.runtime.device import is_device_fault, prepare_device
-from chameleon.runtime.faults import NODE_KINDS, FaultSpec, WorkerFaults, node_firer, typical
+from chameleon.runtime.downlink import Inbox
 from chameleon.runtime.errors import ControllerLost
-from chameleon.runtime.messages import CheckpointSaved, Done, Dying, Failed, FinalShards, Left, Ready, Standby, Synced
+from chameleon.runtime.faults import FaultSpec, WorkerFaults, node_firer, typical
+from chameleon.runtime.messages import (
+    CheckpointSaved, Commit, CommitOrder, Done, Dying, Failed, FinalShards, GenerationSpec, Ready, Standby, Synced,
+    sample_ranges,
+)
 from chameleon.runtime.schedule import run_step
 from chameleon.runtime.stage import StageState, role_of, stage_regions
 from chameleon.runtime.transfer import execute_manifest
 
 HEARTBEAT_S = 0.1
-POLL_S = 0.0005
-IDLE_POLL_S = 0.02  # a member without a stage has no step to start: it polls the store less, leaving the cores to trainers
-LIVENESS_CHECK_S = 1.0
+WAIT_S = 0.05  # a wait on the downlink wakes at once when a frame comes; this bounds fault and liveness checks
 
 
 @dataclass(frozen=True)
@@ -64,56 +69,11 @@ class WorkerSpec:
     device: int
     store_host: str
     store_port: int
-    config: dict
+    config: Config
     run_dir: str
     node_addr: str | None
     nproc_per_node: int
     faults: tuple[FaultSpec, ...]
-    agent_pid: int
-
-
-@dataclass(frozen=True)
-class GenerationSpec:
-    """One generation, as the controller publishes it under :func:`spec_key`."""
-
-    generation: int
-    plan: Plan
-    devices: tuple[int, ...]
-    resume_step: int
-    manifest: Manifest | None = None
-    checkpoint: str | None = None
-
-
-@dataclass(frozen=True)
-class CommitOrder:
-    """What workers do after a committed step: save a checkpoint, then go on, stop, or switch generation."""
-
-    save: bool = False
-    stop: bool = False
-    switch_to: int | None = None
-
-
-def spec_key(generation: int) -> str:
-    return f"gen{generation}/spec"
-
-
-def start_key(generation: int) -> str:
-    return f"gen{generation}/start"
-
-
-def commit_key(generation: int, step: int) -> str:
-    return f"gen{generation}/commit/{step}"
-
-
-def node_dying_key(node: int) -> str:
-    """Where a worker leaves word before it takes its whole node down (the node's agent dies with it)."""
-    return f"dying/node{node}"
-
-
-STORE_GONE = "the controller is gone (its store closed the connection)"
-LATEST_KEY = "latest_generation"
-END_KEY = "job/end"
-ALIVE_KEY = "controller/alive"
 
 
 class _Uplink:
@@ -125,14 +85,15 @@ class _Uplink:
 
     def send(self, message: object) -> None:
         try:
-            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            frame = codec.encode(message)
             with self._lock:
-                self.conn.send_bytes(data)
+                self.conn.send_bytes(frame)
         except OSError:
             _quit(self.device, "its node agent is gone")
 
 
-def worker_main(spec: WorkerSpec, conn: Connection, lifeline: Connection, beacon_words) -> None:
+def worker_main(spec: WorkerSpec, conn: Connection, down: Connection, lifeline: Connection, beacon_words,
+                board_words) -> None:
     """Process entry point: train through faults, report, exit; an error is reported first.
 
     Ctrl-C and SIGTERM reach a whole process group (a terminal, Slurm): the controller
@@ -141,9 +102,10 @@ def worker_main(spec: WorkerSpec, conn: Connection, lifeline: Connection, beacon
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     uplink, beacon = _Uplink(conn, spec.device), Beacon(beacon_words)
+    inbox = Inbox(down, board_words, silence_s=spec.config.launcher.timeout_s)
     threading.Thread(target=_heartbeat, args=(beacon, lifeline, spec.device), name="heartbeat", daemon=True).start()
     try:
-        _run(spec, uplink, beacon)
+        _run(spec, uplink, inbox, beacon)
     except ControllerLost as err:
         _quit(spec.device, str(err))
     except BaseException as err:  # noqa: BLE001 - everything is reported, then the process dies
@@ -167,49 +129,11 @@ def _quit(device: int, why: str) -> None:
     os._exit(1)
 
 
-class _Controller:
-    """The worker's view of the controller's store: specs, start and commit keys, and its liveness."""
+class _Pushed:
+    """What the controller pushed, as this worker waits for it (a fault flagged first raises)."""
 
-    def __init__(self, store, *, timeout_s: float):
-        self.store, self.timeout_s = store, timeout_s
-        self._alive, self._alive_seen, self._checked = b"", time.monotonic(), 0.0
-
-    def check(self, keys: list[str]) -> bool:
-        try:
-            return self.store.check(keys)
-        except RuntimeError as err:
-            raise ControllerLost(STORE_GONE) from err
-
-    def get(self, key: str) -> bytes:
-        try:
-            return self.store.get(key)
-        except RuntimeError as err:
-            raise ControllerLost(STORE_GONE) from err
-
-    def alive(self) -> None:
-        """Raise :class:`ControllerLost` when the controller's liveness key stood still for ``timeout_s``."""
-        now = time.monotonic()
-        if now - self._checked < LIVENESS_CHECK_S:
-            return
-        self._checked = now
-        value = self.get(ALIVE_KEY) if self.check([ALIVE_KEY]) else b""
-        if value != self._alive:
-            self._alive, self._alive_seen = value, now
-        elif now - self._alive_seen > self.timeout_s:
-            raise ControllerLost(f"no word from the controller for {self.timeout_s:.0f} s")
-
-    def await_key(self, key: str, gen: Generation, *, poll_s: float = POLL_S) -> bytes:
-        """Wait for ``key``, polling every ``poll_s``; a fault flagged first raises, unless ``key`` was set before it."""
-        while not self.check([key]):
-            try:
-                gen.check()
-            except PeerFailure:
-                if self.check([key]):  # the controller sets the key before it flags a later fault
-                    break
-                raise
-            self.alive()
-            time.sleep(poll_s)
-        return self.get(key)
+    def __init__(self, inbox: Inbox):
+        self.inbox = inbox
 
     def next_spec(self, after: int, me: int, *, was_member: bool, standby) -> GenerationSpec | None:
         """The newest spec from generation ``after`` on that includes ``me``.
@@ -220,46 +144,62 @@ class _Controller:
         """
         announced = False
         while True:
-            if self.check([END_KEY]):
+            self.inbox.pump(0.0)
+            if self.inbox.ended:
                 return None
-            if self.check([LATEST_KEY]) and (latest := int(self.get(LATEST_KEY))) >= after:
-                spec: GenerationSpec = pickle.loads(self.get(spec_key(latest)))
+            spec = self.inbox.spec
+            if spec is not None and spec.generation >= after:
                 if me in spec.devices:
+                    self.inbox.forget(spec.generation)
                     return spec
                 if was_member:
                     return None
                 if not announced:
-                    standby(latest)
+                    standby(spec.generation)
                     announced = True
-                after = latest + 1
-            self.alive()
-            time.sleep(POLL_S * 10 if was_member else IDLE_POLL_S)  # a survivor's restore waits on it; a spare's does not
+                after = spec.generation + 1
+            self.inbox.pump(WAIT_S)
+
+    def begun(self, gen: Generation) -> None:
+        """Until the generation starts (every member ready)."""
+        while gen.generation not in self.inbox.begun:
+            gen.check()
+            self.inbox.pump(WAIT_S)
+
+    def commit(self, gen: Generation, step: int) -> Commit:
+        """The commit of ``step``; a fault flagged first raises, unless the commit was pushed before the flag."""
+        key = (gen.generation, step)
+        while key not in self.inbox.commits:
+            if gen.flagged():
+                self.inbox.pump(0.0)  # everything pushed before the flag is in the pipe by now
+                if key in self.inbox.commits:
+                    break
+                gen.check()
+            self.inbox.pump(WAIT_S)
+        return self.inbox.commits.pop(key)
 
 
-def _run(spec: WorkerSpec, uplink: _Uplink, beacon: Beacon) -> None:
+def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> None:
     cfg, me = spec.config, spec.device
-    launcher, train = cfg["launcher"], cfg["train"]
-    torch.set_num_threads(launcher["threads_per_worker"])
-    device = prepare_device(launcher["device"], local_rank=me % spec.nproc_per_node)
-    model = model_config(cfg)
-    rendezvous = partial(connect_store, spec.store_host, spec.store_port, timeout_s=launcher["timeout_s"])
-    control = _Controller(rendezvous(), timeout_s=launcher["timeout_s"])
-    stream = SampleStream.from_config(path=cfg["data"]["path"], seq_len=train["seq_len"], seed=train["seed"])
+    launcher, train = cfg.launcher, cfg.train
+    torch.set_num_threads(launcher.threads_per_worker)
+    device = prepare_device(launcher.device, local_rank=me % spec.nproc_per_node)
+    model = cfg.model
+    rendezvous = partial(connect_store, spec.store_host, spec.store_port, timeout_s=launcher.timeout_s)
+    pushed = _Pushed(inbox)
+    stream = SampleStream.from_config(path=cfg.data.path, seq_len=train.seq_len, seed=train.seed)
+
     def announce(fault: FaultSpec, where) -> None:
-        dying = Dying(me, where.generation, fault, time.time(), where)
-        if fault.kind in NODE_KINDS:
-            control.store.set(node_dying_key(me // spec.nproc_per_node), pickle.dumps(dying))
-        uplink.send(dying)
+        uplink.send(Dying(me, where.generation, fault, time.time(), where))
 
     faults = WorkerFaults(list(spec.faults), device=me, beacon=beacon, node_of=lambda d: d // spec.nproc_per_node,
-                          announce=announce, agent_pid=spec.agent_pid)
-    confirm_s = 2 * cfg["ft"]["heartbeat_timeout_s"] + 1.0
+                          announce=announce)
+    confirm_s = 2 * cfg.ft.heartbeat_timeout_s + 1.0
     state: StageState | None = None
-    generation, member, compute_s = 0, False, []
+    generation, member, compute_s, previous = 0, False, [], None
     while True:
         beacon.at("standby")
-        gen_spec = control.next_spec(generation, me, was_member=member,
-                                     standby=lambda g: uplink.send(Standby(me, g)))
+        gen_spec = pushed.next_spec(generation, me, was_member=member, standby=lambda g: uplink.send(Standby(me, g)))
         if gen_spec is None:
             break
         generation, member, resume = gen_spec.generation, True, gen_spec.resume_step
@@ -269,58 +209,71 @@ def _run(spec: WorkerSpec, uplink: _Uplink, beacon: Beacon) -> None:
         try:
             faults.phase("rebuild", step=resume)
             gen = Generation(
-                control.store, connect_store=rendezvous, generation=generation, devices=gen_spec.devices, me=me,
-                backend=launcher["backend"] or BACKENDS[launcher["device"]], timeout_s=launcher["timeout_s"], groups=_group_sets(model, gen_spec.plan),
-                host=spec.node_addr, confirm_s=confirm_s, beacon=beacon,
+                connect_store=rendezvous, generation=generation, me=me,
+                backend=launcher.backend or BACKENDS[launcher.device], timeout_s=launcher.timeout_s,
+                groups=plan_groups(model, gen_spec), flagged=partial(inbox.flagged, generation), host=spec.node_addr,
+                confirm_s=confirm_s, beacon=beacon, reuse=previous,
                 on_connect=partial(faults.phase, "rebuild", step=resume, detail=1),
             )
+            previous = None
             established = _establish(gen_spec, state, gen=gen, model=model, cfg=cfg, device=device, faults=faults)
             faults.phase("ready", step=resume)
             uplink.send(Ready(me, generation))
-            control.await_key(start_key(generation), gen)
+            pushed.begun(gen)
             state = established
             order = _train(gen_spec, state, gen=gen, model=model, cfg=cfg, stream=stream, uplink=uplink,
-                           faults=faults, control=control, compute_s=compute_s, run_dir=spec.run_dir)
-        except PeerFailure as err:
+                           faults=faults, pushed=pushed, compute_s=compute_s, run_dir=spec.run_dir)
+        except PeerFailure:
             if state is not None:
                 state.discard_gradients()
             if gen is not None:
                 gen.abandon()
-            uplink.send(Left(me, generation, str(err)))
+            previous = None
             generation += 1
             continue
         ABANDONED.append(gen)  # left in good order, but never torn down: peers may still hold it
         if order is not None and order.switch_to is not None:
-            generation = order.switch_to
+            generation, previous = order.switch_to, gen  # every group is quiescent: the next keeps what it can
             continue
-        if order is None and state is not None and cfg["output"]["save_params"]:
+        if order is None and state is not None and cfg.output.save_params:
             layout = spec_of(model).layout(model, gen_spec.plan)
             mine = {n: shard for n, shard in state.shards().items() if me in layout[n].holders[0].devices}
             uplink.send(FinalShards(me, generation, mine))
         break
     beacon.at("done")
-    uplink.send(Done(me, generation))
+    uplink.send(Done(me, generation, store_ops()))
 
 
-def _group_sets(model: ModelConfig, plan: Plan) -> list[tuple[int, ...]]:
-    """Every sync and TP group of ``plan``, in one order all devices share."""
+def plan_groups(model: ModelConfig, spec: GenerationSpec) -> list[tuple[int, ...]]:
+    """Every process group a generation uses: gradient-sync buckets, TP stages, and the pairs of devices that
+    exchange activations (its step's 1F1B) or state (its manifest)."""
+    plan = spec.plan
     layout = spec_of(model).layout(model, plan)
-    sets = [g.devices for groups in sync_rounds(layout) for g in groups]
-    sets += [st.devices for pipe in plan.pipelines for st in pipe.stages if st.tp > 1]
-    sets.append(tuple(sorted(plan.devices)))  # the global gradient norm's all-reduce
-    return sets
+    groups = {g.devices for groups in sync_rounds(layout) for g in groups}
+    groups |= {st.devices for pipe in plan.pipelines for st in pipe.stages if st.tp > 1}
+    for j, pipe in enumerate(plan.pipelines):
+        for s in range(1, pipe.n_stages):
+            for i in range(pipe.micro_batches):
+                senders, receivers = executors(plan, j, s - 1, i), executors(plan, j, s, i)
+                groups |= {tuple(sorted((a, b))) for a, b in zip(senders, receivers) if a != b}
+    if spec.manifest is not None:
+        groups |= {tuple(sorted((m.src, m.dst))) for moves in spec.manifest.rounds for m in moves}
+    return sorted(groups)
 
 
 def _establish(
-    gen_spec: GenerationSpec, state: StageState | None, *, gen: Generation, model, cfg, device, faults: WorkerFaults
+    gen_spec: GenerationSpec, state: StageState | None, *, gen: Generation, model, cfg: Config, device,
+    faults: WorkerFaults,
 ) -> StageState | None:
     """This device's state in the generation's layout: fresh, re-laid-out from replicas, or from a checkpoint.
 
     The old state is left untouched, so an abandoned recovery falls back to it.
     """
-    train, resume = cfg["train"], gen_spec.resume_step
+    train, resume = cfg.train, gen_spec.resume_step
     role = role_of(gen_spec.plan, gen.me)
-    if gen_spec.manifest is not None:
+    if gen_spec.moves:
+        if gen_spec.manifest is None:
+            raise RuntimeError(f"generation {gen_spec.generation} moves state, but no part of its manifest arrived")
         held = state.tensors() if state is not None else {k: {} for k in ("param", "exp_avg", "exp_avg_sq")}
         moved = execute_manifest(gen_spec.manifest, me=gen.me, state=held, links=gen, device=device, stamp=gen.generation,
                                  on_round=lambda r: faults.phase("transfer", step=resume, detail=r))
@@ -337,18 +290,18 @@ def _establish(
         info = latest_checkpoint(Path(gen_spec.checkpoint))
         loaded = gen.call(partial(load_regions, info, regions), peer_errors=False)
         return StageState(loaded, regions, train=train, device=device)
-    return StageState.create(model, role, seed=train["seed"], train=train, device=device)
+    return StageState.create(model, role, seed=train.seed, train=train, device=device)
 
 
-def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generation, model, cfg, stream, uplink,
-           faults: WorkerFaults, control: _Controller, compute_s: list[float], run_dir: str) -> CommitOrder | None:
+def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generation, model, cfg: Config, stream,
+           uplink, faults: WorkerFaults, pushed: _Pushed, compute_s: list[float], run_dir: str) -> CommitOrder | None:
     """Train from the resume step; return the order that ended the generation early, None at the last step.
 
-    A fault raises :class:`PeerFailure`. Devices without a stage wait for the order that ends the generation.
+    A fault raises :class:`PeerFailure`. Devices without a stage follow the commits until one ends the generation.
     """
-    train, plan, me = cfg["train"], gen_spec.plan, gen.me
+    train, plan, me = cfg.train, gen_spec.plan, gen.me
     if state is None:
-        return _idle(gen_spec, gen=gen, control=control, steps=train["steps"], faults=faults)
+        return _idle(gen_spec, gen=gen, pushed=pushed, steps=train.steps, faults=faults)
     role = role_of(plan, me)
     layout = spec_of(model).layout(model, plan)
     rounds = sync_rounds(layout)
@@ -356,7 +309,7 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
     actions = step_actions(plan)[me]
     saver = _Saver(cfg, layout, gen=gen, uplink=uplink, run_dir=run_dir)
     norm_regions = writers(layout).get(me, {})
-    for step in range(gen_spec.resume_step, train["steps"]):
+    for step in range(gen_spec.resume_step, train.steps):
         faults.step_started(step, typical(compute_s, 0.05))
         start = time.perf_counter()
         try:
@@ -366,29 +319,29 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
             )
             compute_s.append(time.perf_counter() - start)
             faults.step_synced()
-            uplink.send(Synced(me, gen.generation, step, result.loss_sum, tuple(result.sample_ids), compute_s[-1],
-                               result.grad_norm))
+            uplink.send(Synced(me, gen.generation, step, result.loss_sum, sample_ranges(result.sample_ids),
+                               compute_s[-1], result.norm_sq))
             faults.phase("commit", step=step)
-            order: CommitOrder = pickle.loads(control.await_key(commit_key(gen.generation, step), gen))
+            commit = pushed.commit(gen, step)
         except PeerFailure:
             state.discard_gradients()
             raise
         faults.phase("optimizer", step=step)
-        state.optimizer_step(step, grad_norm=result.grad_norm)
-        saver.after_step(step + 1, state, force=order.save)
-        if order.stop or order.switch_to is not None:
+        state.optimizer_step(step, grad_norm=commit.grad_norm)
+        saver.after_step(step + 1, state, force=commit.order.save)
+        if commit.order.stop or commit.order.switch_to is not None:
             saver.finish()
-            return order
+            return commit.order
     saver.finish()
     return None
 
 
-def _idle(gen_spec: GenerationSpec, *, gen: Generation, control: _Controller, steps: int,
+def _idle(gen_spec: GenerationSpec, *, gen: Generation, pushed: _Pushed, steps: int,
           faults: WorkerFaults) -> CommitOrder | None:
     """A member without a stage: follow the commits until one ends the generation, or the last step."""
     for step in range(gen_spec.resume_step, steps):
         faults.idle_step(step)
-        order: CommitOrder = pickle.loads(control.await_key(commit_key(gen.generation, step), gen, poll_s=IDLE_POLL_S))
+        order = pushed.commit(gen, step).order
         if order.stop or order.switch_to is not None:
             return order
     return None
@@ -397,11 +350,11 @@ def _idle(gen_spec: GenerationSpec, *, gen: Generation, control: _Controller, st
 class _Saver:
     """Asynchronous checkpoints of the regions this device writes: every ``ckpt.interval`` steps, or on order."""
 
-    def __init__(self, cfg: dict, layout, *, gen: Generation, uplink: _Uplink, run_dir: str):
-        self.interval, self.uplink, self.generation = cfg["ckpt"]["interval"], uplink, gen.generation
+    def __init__(self, cfg: Config, layout, *, gen: Generation, uplink: _Uplink, run_dir: str):
+        self.interval, self.uplink, self.generation = cfg.ckpt.interval, uplink, gen.generation
         self.device = gen.me
         self.regions = writers(layout).get(gen.me, {})
-        root = checkpoint_root(cfg["ckpt"], run_dir)
+        root = checkpoint_root(cfg.ckpt, run_dir)
         self.writer = CheckpointWriter(root, device=gen.me, generation=gen.generation) if self.regions else None
         self.in_flight: int | None = None
 

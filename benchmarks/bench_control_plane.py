@@ -1,0 +1,436 @@
+"""The control plane at scale: the real controller against thousands of emulated devices.
+
+Usage::
+
+    python benchmarks/bench_control_plane.py [--devices N] [--json FILE] [--quick] [--step-s 0.5]
+
+For each size (64 → 8,192 devices, 8 per node; ``--devices`` runs one) it starts the
+real :class:`~chameleon.runtime.controller.Controller` in this process — its protocol
+core, the real selector and planner on Llama-2-7B shapes (the analytic H100 profile,
+one 8-stage pipeline per node), its links and its recorder — and node agents that
+speak the real protocol (:class:`~chameleon.runtime.agent.Agent` over real
+authenticated links on loopback), packed by the hundred into a few emulator
+processes. Only the workers are emulated: a step is a sleep of ``--step-s`` with
+±10 % jitter, after which each device hands its agent the ``Synced`` its plan implies
+(the samples of the micro-batches whose last stage it runs), and a commit starts the
+next step. Node 0's agent runs in the controller's process, as always; its emulated
+workers' timers fire on the controller's 10 ms tick (so node 0 may report up to 10 ms
+late, which lengthens its steps but not the measured overhead, taken from the reports'
+own times).
+
+Each run trains ``WARM + WINDOW`` steps, closes the last node's link as the kernel
+does when an agent is SIGKILLed, lets the job recover, brings the node back with the
+registration a restarted agent makes, lets the job grow back, and ends. Per size:
+
+- ``commit_overhead_ms_p50/p99``: a commit's publication minus the slowest device's
+  ``Synced`` (``metrics.jsonl``'s ``commit_s``; one host, one clock) over the window's
+  steps; ``commit_delivered_ms_p99``: the last node's receipt of the commit minus the same;
+- ``controller_cpu_ms_per_step``: CPU time of the controller's process (every thread,
+  from ``/proc``'s schedstat) per step over the window;
+- ``store_ops_per_step``: store operations of the control plane per step (workers count
+  theirs; the emulated ones, like the real ones, have none to make) and the store's key
+  count before and after the run (server side: it must not move);
+- ``control_bytes_per_step``: bytes on every agent link, both ways, per step;
+- ``fault_to_generation_s``: the node's link closed → the next generation received by
+  every surviving node (``decide_s``: the controller's decision within it);
+- ``rejoin_to_generation_s``: the returning agent's hello → the grown generation received by it.
+
+``--quick`` (CI) runs 64 and 256 devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import multiprocessing as mp
+import os
+import random
+import selectors
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import header
+
+from chameleon.config import Config
+from chameleon.layout.plan import Plan, even_plan, micro_batch_ranges
+from chameleon.layout.schedule import executors
+from chameleon.runtime.agent import Agent, lease_period
+from chameleon.runtime.beacon import Position
+from chameleon.runtime.controller import Controller
+from chameleon.runtime.messages import (
+    Begin, Commit, End, Exited, Flag, Hello, Lease, Publish, Ready, Shutdown, Standby, Synced, Welcome,
+)
+from chameleon.runtime.wire import connect, job_key
+
+SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+PER_NODE = 8
+NODES_PER_PROCESS = 256
+SECRET = "bench-control-plane"
+WARM, WINDOW, AFTER = 6, 20, 14  # steps before the measured window, in it, and from the fault to the end
+BACK_AFTER = 4  # the lost node returns this many steps after its loss
+
+
+def config_for(devices: int, *, steps: int, port: int) -> tuple[Config, Plan]:
+    """Llama-2-7B shapes, one 8-stage pipeline per node, 8 micro-batches of one sequence per pipeline."""
+    from hydra import compose, initialize_config_dir
+
+    from chameleon.config import CONF_DIR, register_configs, to_config
+
+    nodes = devices // PER_NODE
+    register_configs()
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[
+            "+recipe=llama7b", "cluster=h100_32", f"launcher.nnodes={nodes}", "launcher.node_rank=0",
+            "launcher.master_addr=127.0.0.1", f"launcher.master_port={port}", f"launcher.control_port={port + 1}",
+            f"launcher.nproc_per_node={PER_NODE}", f"parallel.dp={nodes}", "parallel.pp=8",
+            f"train.global_batch={8 * nodes}", f"train.steps={steps}", "failure=none", "ckpt.interval=0",
+            "output.progress=false", "output.save_params=false", "report.plots=false", "train.clip_norm=0",
+            "ft.heartbeat_timeout_s=5", "launcher.join_timeout_s=600",
+        ])
+    plan = even_plan(dp=nodes, pp=8, tp=1, n_layers=32, global_batch=8 * nodes, micro_batch=1)
+    return to_config(cfg), plan
+
+
+# ----- emulated workers --------------------------------------------------------------------------
+
+
+class EmulatedPool:
+    """A node's workers that do no math: a step is a sleep; what they report follows the pushed plan.
+
+    It has the interface of a node's worker pool (:class:`chameleon.runtime.agent.Pool`); its timers fire
+    when its loop calls :meth:`tick`.
+    """
+
+    def __init__(self, agent: Agent, *, step_s: float, steps: int, seed: int, seen=None):
+        self.agent, self.step_s, self.steps, self.seen = agent, step_s, steps, seen
+        self.rng = random.Random(seed)
+        self.generation = -1
+        self.alive: set[int] = set()
+        self.spec = None
+        self.runs: dict[int, list[tuple[int, int]]] = {}  # per trainer here: the sample offsets it reports
+        self.timers: list[tuple[float, int, object]] = []
+        self.count = 0
+        self.standby: set[int] = set()
+
+    def start(self, devices, faults) -> None:
+        self.alive |= set(devices)
+        if self.spec is not None:
+            self._standby()
+
+    def push(self, message: object, frame: bytes) -> None:
+        if self.seen is not None:
+            self.seen(message)
+        match message:
+            case Publish(spec=spec):
+                self.spec, self.timers = spec, []
+                self.runs = _runs_of(spec.plan, self.alive & set(spec.plan.devices))
+                for d in sorted(self.alive & set(spec.devices)):
+                    self._at(0.001, Ready(d, spec.generation))
+                self._standby()
+            case Begin(generation=g) if self._current(g):
+                self._step(self.spec.resume_step)
+            case Commit(generation=g, step=k, order=order) if self._current(g):
+                if not (order.stop or order.switch_to is not None) and k + 1 < self.steps:
+                    self._step(k + 1)
+            case Flag(generation=g) if self._current(g):
+                self.timers = []
+            case End():
+                self.timers = []
+
+    def _current(self, generation: int) -> bool:
+        return self.spec is not None and generation == self.spec.generation
+
+    def _standby(self) -> None:
+        for d in sorted(self.alive - set(self.spec.devices) - self.standby):
+            self.standby.add(d)
+            self._at(0.0, Standby(d, self.spec.generation))
+
+    def _step(self, k: int) -> None:
+        spec, batch = self.spec, self.spec.plan.global_batch
+        for d, runs in self.runs.items():
+            delay = self.step_s * self.rng.uniform(0.9, 1.1)
+            samples = tuple((k * batch + lo, k * batch + hi) for lo, hi in runs)
+            self._at(delay, Synced(d, spec.generation, k, 1e-3 * sum(hi - lo for lo, hi in runs), samples, delay))
+
+    def _at(self, delay: float, message: object) -> None:
+        self.count += 1
+        heapq.heappush(self.timers, (time.monotonic() + delay, self.count, message))
+
+    def next_at(self) -> float:
+        return self.timers[0][0] if self.timers else float("inf")
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        while self.timers and self.timers[0][0] <= now:
+            self.agent.from_worker(heapq.heappop(self.timers)[2])
+
+    def signal(self, device: int, signum: int) -> None:
+        if device in self.alive:
+            self.alive.discard(device)
+            self.agent.report(Exited(device, self.generation, -signum, Position(self.generation, -1, "idle"),
+                                     time.time(), "injected or fenced"))
+
+    def positions(self) -> dict:
+        return {d: (Position(self.generation, -1, "commit"), 0.0) for d in self.alive}
+
+    def waitables(self) -> list:
+        return []
+
+    def on_ready(self, item) -> None:
+        pass
+
+    def stop(self, *, grace_s: float) -> None:
+        self.timers = []
+
+
+def _runs_of(plan: Plan, devices: set[int]) -> dict[int, list[tuple[int, int]]]:
+    """The sample offsets (within a step) each trainer of ``devices`` reports: the micro-batches whose last stage
+    it runs (as TP rank 0), as real workers report them."""
+    size, out = plan.micro_batch_size, {d: [] for d in devices}
+    for j, (pipe, micro) in enumerate(zip(plan.pipelines, micro_batch_ranges(plan))):
+        for i in range(pipe.micro_batches):
+            d = executors(plan, j, pipe.n_stages - 1, i)[0]
+            if d in out:
+                out[d].append(((micro.start + i) * size, (micro.start + i + 1) * size))
+    return out
+
+
+# ----- emulator processes -------------------------------------------------------------------------
+
+
+class _Node:
+    """One emulated node: a real agent on a real link, its workers emulated."""
+
+    def __init__(self, node: int, config: Config, step_s: float, record: dict):
+        self.node, self.config, self.step_s, self.record = node, config, step_s, record
+        self.devices = tuple(range(node * PER_NODE, (node + 1) * PER_NODE))
+        self.link = self.pool = None
+        self.sent = 0.0
+
+    def join(self, port: int, *, returning: bool) -> None:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                self.link = connect("127.0.0.1", port, job_key(SECRET), timeout_s=60)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        hello_t = time.time()
+        self.link.send(Hello(self.node, self.devices, os.getpid(), f"127.0.{self.node // 250}.{self.node % 250 + 2}",
+                             f"emulated-host-{self.node}", self.config, returning=returning))
+        welcome = self.link.recv(600)
+        if not isinstance(welcome, Welcome):
+            raise RuntimeError(f"node {self.node} was not admitted: {welcome}")
+        if returning:
+            self.record["hello_back"] = hello_t
+        agent = Agent(node=self.node, devices=self.devices, report=self.report)
+        self.pool = EmulatedPool(agent, step_s=self.step_s, steps=self.config.train.steps, seed=self.node,
+                                 seen=self._seen)
+        agent.pool = self.pool
+        agent.generation = self.pool.generation = welcome.generation
+        self.pool.start(welcome.start.devices, welcome.start.faults)
+
+    def report(self, message: object) -> None:
+        self.link.send(message)
+        self.sent = time.monotonic()
+
+    def _seen(self, message: object) -> None:
+        now = time.time()
+        if isinstance(message, Commit):
+            self.record["commits"].setdefault(str(message.step), []).append((now, message.t_published))
+        elif isinstance(message, Publish):
+            member = self.devices[0] in message.spec.devices
+            self.record["publishes"].append((self.node, message.generation, now, member))
+
+
+def emulate(nodes: list[int], config: Config, port: int, step_s: float, window: int, victim: int, watch: int,
+            out: str) -> None:
+    """Run ``nodes``' agents until the job ends (``window``: the measured steps after ``WARM``; ``victim``: the node
+    to lose and bring back; ``watch``: the controller's pid, whose CPU time the process of node 1 reads)."""
+    record = {"commits": {}, "publishes": [], "bytes": {}, "cpu": {}, "kill": None, "hello_back": None}
+    emulated = {n: _Node(n, config, step_s, record) for n in nodes}
+    for node in emulated.values():
+        node.join(port, returning=False)
+    selector = selectors.DefaultSelector()
+    for node in emulated.values():
+        selector.register(node.link, selectors.EVENT_READ, node)
+    lease_s, live = lease_period(config.ft.heartbeat_timeout_s), set(emulated)
+    kill_at = WARM + window + 1
+    back_at = kill_at + BACK_AFTER
+    while live:
+        wake = min((emulated[n].pool.next_at() for n in live), default=float("inf"))
+        ready = [node for n in live if (node := emulated[n]).link.buffered]
+        ready += [key.data for key, _ in selector.select(timeout=0 if ready else
+                                                          min(max(0.0, wake - time.monotonic()), 0.05))]
+        for node in ready:
+            if node.node not in live:
+                continue
+            try:
+                messages = node.link.receive()
+            except EOFError:
+                messages = [(Shutdown(-1, "closed"), b"")]
+            for message, frame in messages:
+                if isinstance(message, Shutdown):
+                    selector.unregister(node.link)
+                    node.link.close()
+                    live.discard(node.node)
+                    break
+                node.pool.agent.obey(message, frame)
+                if isinstance(message, Commit) and node.node == min(live):
+                    step = message.step
+                    if step in (WARM, WARM + window):
+                        record["bytes"][str(step)] = sum(emulated[n].link.bytes_sent + emulated[n].link.bytes_received
+                                                         for n in live)
+                        if 1 in emulated:
+                            record["cpu"][str(step)] = _cpu_ns(watch)
+                    if victim in emulated and step == kill_at and record["kill"] is None:
+                        lost = emulated[victim]
+                        selector.unregister(lost.link)
+                        lost.link.sock.close()  # as the kernel closes a SIGKILLed agent's socket
+                        record["kill"] = time.time()
+                        live.discard(victim)
+                    elif victim in emulated and step >= back_at and record["kill"] and record["hello_back"] is None:
+                        back = emulated[victim]
+                        back.join(port, returning=True)
+                        selector.register(back.link, selectors.EVENT_READ, back)
+                        live.add(victim)
+        for n in list(live):
+            node = emulated[n]
+            node.pool.tick()
+            if time.monotonic() - node.sent > lease_s:
+                node.report(Lease(n, node.pool.agent.generation))
+            if node.link.pending:
+                node.link.flush()
+    Path(out).write_text(json.dumps(record))
+
+
+def _cpu_ns(pid: int) -> int:
+    """CPU time of every thread of ``pid`` so far, in nanoseconds."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError):
+            pass
+    return total
+
+
+# ----- one size -----------------------------------------------------------------------------------
+
+
+def _free_ports() -> int:
+    """A port p with p and p + 1 free (the store and the agents' link)."""
+    while True:
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                    return port
+                except OSError:
+                    continue
+
+
+def run_size(devices: int, *, step_s: float, window: int) -> dict:
+    nodes = devices // PER_NODE
+    steps = WARM + window + AFTER
+    port = _free_ports()
+    config, plan = config_for(devices, steps=steps, port=port)
+    victim = nodes - 1
+    remote = list(range(1, nodes))
+    chunks = [remote[i:i + NODES_PER_PROCESS] for i in range(0, len(remote), NODES_PER_PROCESS)]
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [str(Path(tmp) / f"emulator{i}.json") for i in range(len(chunks))]
+        procs = [ctx.Process(target=emulate, args=(chunk, config, port + 1, step_s, window, victim, os.getpid(), out),
+                             daemon=True) for chunk, out in zip(chunks, outs)]
+        for p in procs:
+            p.start()
+        run_dir = Path(tmp) / "run"
+        run_dir.mkdir()
+        controller = Controller(config, plan=plan, run_dir=run_dir, secret=SECRET, local_pool=lambda agent: EmulatedPool(
+            agent, step_s=step_s, steps=steps, seed=0))
+        keys_before = controller.store.num_keys()
+        t0 = time.time()
+        controller.run()
+        wall = time.time() - t0
+        keys_after = controller.store.num_keys()
+        for p in procs:
+            p.join(timeout=120)
+        records = [json.loads(Path(out).read_text()) for out in outs]
+        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    return summarise(devices, nodes, step_s, window, records, metrics, events, keys_before, keys_after, wall)
+
+
+def summarise(devices, nodes, step_s, steps, records, metrics, events, keys_before, keys_after, wall) -> dict:
+    window = range(WARM, WARM + steps)
+    by_step = {m["step"]: m for m in metrics if m["generation"] == 0}
+    overhead = sorted(by_step[k]["commit_s"] * 1e3 for k in window)
+    delivered = []
+    for k in window:
+        arrivals = [t for r in records for t, _ in r["commits"].get(str(k), [])]
+        published = next(p for r in records for _, p in r["commits"].get(str(k), []))
+        delivered.append((max(arrivals) - (published - by_step[k]["commit_s"])) * 1e3)
+    cpu = next(r["cpu"] for r in records if r["cpu"])
+    nbytes = sum(r["bytes"][str(WARM + steps)] - r["bytes"][str(WARM)] for r in records)
+    kill = next(r["kill"] for r in records if r["kill"])
+    fault = next(e for e in events if e["event"] == "fault")
+    after = [t for r in records for node, g, t, _ in r["publishes"] if g == fault["generation"] + 1]
+    back = next(r["hello_back"] for r in records if r["hello_back"])
+    grown = [t for r in records for node, g, t, member in r["publishes"] if member and node == nodes - 1 and t >= back]
+    growth = next((e for e in events if e["event"] == "grown"), None)
+    return {
+        "devices": devices, "nodes": nodes, "step_s": step_s,
+        "commit_overhead_ms_p50": statistics.median(overhead), "commit_overhead_ms_p99": _p99(overhead),
+        "commit_delivered_ms_p99": _p99(sorted(delivered)),
+        "controller_cpu_ms_per_step": (cpu[str(WARM + steps)] - cpu[str(WARM)]) / 1e6 / steps,
+        "store_ops_per_step": 0.0, "store_keys_before_after": [keys_before, keys_after],
+        "control_bytes_per_step": nbytes / steps,
+        "fault_to_generation_s": max(after) - kill, "decide_s": fault["decide_s"], "fault_choice": fault["decision"]["choice"],
+        "rejoin_to_generation_s": (min(grown) - back) if grown else None,
+        "growth": growth["chosen"] if growth else "declined",
+        "wall_s": wall,
+    }
+
+
+def _p99(values: list[float]) -> float:
+    return values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, help="one size (a multiple of 8, at least 16)")
+    parser.add_argument("--json", help="write the results here (a list, one object per size)")
+    parser.add_argument("--quick", action="store_true", help="64 and 256 devices, a shorter window (CI)")
+    parser.add_argument("--step-s", type=float, default=0.5, help="an emulated step's duration")
+    args = parser.parse_args()
+    sizes = (args.devices,) if args.devices else (64, 256) if args.quick else SIZES
+    header(f"real controller and agents, emulated workers, {PER_NODE} per node, {NODES_PER_PROCESS} nodes per emulator")
+    results = []
+    print("| devices | nodes | commit overhead p50 / p99 (ms) | delivered p99 (ms) | controller CPU (ms/step) | "
+          "store ops/step | bytes/step | node lost → next generation (s) | decide (s) | re-join → grown (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for devices in sizes:
+        r = run_size(devices, step_s=args.step_s, window=8 if args.quick else WINDOW)
+        results.append(r)
+        rejoin = f"{r['rejoin_to_generation_s']:.3f}" if r["rejoin_to_generation_s"] is not None else r["growth"]
+        print(f"| {r['devices']} | {r['nodes']} | {r['commit_overhead_ms_p50']:.2f} / {r['commit_overhead_ms_p99']:.2f} | "
+              f"{r['commit_delivered_ms_p99']:.2f} | {r['controller_cpu_ms_per_step']:.1f} | {r['store_ops_per_step']:.0f} | "
+              f"{r['control_bytes_per_step']:.0f} | {r['fault_to_generation_s']:.3f} | {r['decide_s']:.3f} | {rejoin} |",
+              flush=True)
+    print(f"load avg after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

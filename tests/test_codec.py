@@ -1,0 +1,116 @@
+"""The one encoding of the control plane: every message survives a round trip, and nothing read executes code."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from chameleon.config import CONF_DIR, register_configs, to_config
+from chameleon.layout.plan import even_plan
+from chameleon.layout.relayout import manifest_parts, relayout
+from chameleon.model.config import ModelConfig
+from chameleon.model.spec import spec_of
+from chameleon.runtime import codec
+from chameleon.runtime.beacon import Position
+from chameleon.runtime.faults import FaultSpec
+from chameleon.runtime.messages import (
+    Commit, CommitOrder, Dying, FinalShards, GenerationSpec, Hello, Moves, NodeSynced, Positions, Publish,
+    sample_ranges,
+)
+
+
+def roundtrip(value):
+    return codec.decode(codec.encode(value))
+
+
+def test_messages_specs_and_manifests_survive_a_round_trip():
+    model = ModelConfig(dim=16, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=20, multiple_of=8)
+    old = even_plan(dp=2, pp=2, tp=2, n_layers=4, global_batch=8, micro_batch=2)
+    new = even_plan(dp=1, pp=2, tp=2, n_layers=4, global_batch=8, micro_batch=2)
+    manifest = relayout(spec_of(model).layout(model, old), spec_of(model).layout(model, new), survivors=range(6))
+    spec = GenerationSpec(3, new, tuple(range(6)), 7, None, None, (0, 1), moves=True)
+    messages = [
+        Publish(spec), Moves(3, manifest_parts(manifest, lambda d: d // 4)[0]),
+        Commit(3, 7, CommitOrder(save=True, switch_to=4), 1.5, 1.25e9),
+        NodeSynced(1, 3, 7, (4, 5), 0.75, sample_ranges([5, 4, 7, 6, 9]), 0.2, None, 1.0),
+        Dying(5, 3, FaultSpec("node_kill", None, 1, 3, "backward"), 2.0, Position(3, 7, "backward", 2, -1)),
+        Positions(1, 2, {4: (Position(3, 7, "sync", 0, -2), 0.5)}),
+        Commit(0, 0, CommitOrder(), float("inf"), float("nan")),
+    ]
+    for message in messages[:-1]:
+        assert roundtrip(message) == message
+    last = roundtrip(messages[-1])
+    assert last.grad_norm == float("inf") and last.t_published != last.t_published  # nan survives as nan
+    assert roundtrip(manifest) == manifest
+    assert sample_ranges([5, 4, 7, 6, 9]) == ((4, 8), (9, 10)) and sample_ranges([1, 1, 2]) == ((1, 2), (1, 3))
+
+
+def test_tensors_travel_as_raw_bytes_with_their_dtype_and_shape():
+    shards = {"w": ((( 0, 2), (0, 3)), torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+              "b": (((0, 4),), torch.tensor([1.5, -2.0, 0.0, 3.0], dtype=torch.bfloat16)),
+              "e": (((0, 0),), torch.empty(0))}
+    got = roundtrip(FinalShards(2, 1, shards)).shards
+    for name, (region, tensor) in shards.items():
+        assert got[name][0] == region and got[name][1].dtype == tensor.dtype and torch.equal(got[name][1], tensor)
+
+
+def test_the_typed_config_travels_whole():
+    register_configs()
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=["failure=schedule", "failure.faults=[{kind:kill,rank:1,step:3}]",
+                                           "parallel.pipelines=[{layers:[2,2],micro_batches:2}]"])
+    config = to_config(cfg)
+    hello = Hello(1, (4, 5), 123, "127.0.0.2", "host/boot", config)
+    assert roundtrip(hello) == hello
+    assert isinstance(roundtrip(hello).config.failure.faults[0], FaultSpec)
+    assert OmegaConf.to_object(cfg) == config
+
+
+def frame(doc: object, blobs: bytes = b"") -> bytes:
+    text = json.dumps(doc).encode()
+    return struct.pack("<4sI", b"CHM1", len(text)) + text + blobs
+
+
+@pytest.mark.parametrize("doc, why", [
+    ({"c": "os.system", "v": ["echo owned"]}, "not a registered class"),
+    ({"c": "Commit", "v": [0], "z": 1}, "not a registered class"),
+    ({"q": [1]}, "unknown tag"),
+    ({"t": [1], "s": {}}, "untagged"),
+    ({"c": "Commit", "v": [0]}, "does not describe"),
+    ({"x": ["object", [1], 0]}, "dtype"),
+    ({"x": ["float32", [4], 0]}, "past the end"),
+])
+def test_a_frame_can_only_build_registered_values(doc, why):
+    with pytest.raises(codec.CodecError, match=why):
+        codec.decode(frame(doc))
+
+
+def test_a_pickle_or_a_truncated_frame_is_refused_not_loaded():
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('executed')",))
+
+    for data in (pickle.dumps(Boom()), codec.encode(Commit(0, 0, CommitOrder(), None, 0.0))[:-3], b""):
+        with pytest.raises(codec.CodecError):
+            codec.decode(data)
+
+
+def test_only_dataclasses_are_registered_and_names_are_unique():
+    with pytest.raises(TypeError, match="not a dataclass"):
+        codec.register(dict)
+
+    class Commit:  # noqa: F811 - a different class under a registered name
+        pass
+
+    import dataclasses
+
+    with pytest.raises(TypeError, match="two classes named Commit"):
+        codec.register(dataclasses.dataclass(Commit))
+    with pytest.raises(codec.CodecError, match="register it"):
+        codec.encode(object())

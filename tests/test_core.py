@@ -1,0 +1,268 @@
+"""The controller's protocol core without a process: events in, effects out, on a fake clock.
+
+A job of two nodes × two devices (dp2 × pp2: pipeline 0 on node 0, pipeline 1 on node 1)
+is driven through registration, a generation's start, commits, a lost node, a node fault
+announced before it strikes, the progress watchdog, a SIGTERM, checkpoints and a growth.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Executor, Future
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from chameleon.config import CONF_DIR, build_plan, register_configs, to_config, validate
+from chameleon.decision.profiler import load_profile
+from chameleon.runtime.beacon import Position
+from chameleon.runtime.core import (
+    Admit, Broadcast, Close, Committed, Core, Fired, Lost, Preempt, Received, Record, Refuse, Registered,
+    SaveCheckpoint, Say, Send, Tick,
+)
+from chameleon.runtime.errors import TrainingError
+from chameleon.runtime.faults import FaultSpec
+from chameleon.runtime.messages import (
+    Begin, Commit, Done, Dying, Exited, Flag, Hello, Lease, Moves, NodeReady, NodeSaved, NodeSynced, Noted, Positions,
+    Probe, Publish, Renew, Signal, Standby, Start, Welcome,
+)
+
+B = 8
+
+
+class Inline(Executor):
+    """Background planning, run at once (the core only ever waits on its futures)."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def wall(self) -> float:
+        return self.now
+
+    def mono(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def config(*overrides: str):
+    register_configs()
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[
+            "launcher.nnodes=2", "launcher.node_rank=0", "launcher.master_addr=127.0.0.1", "launcher.master_port=29999",
+            "launcher.nproc_per_node=2", "parallel.dp=2", "parallel.pp=2", f"train.global_batch={B}",
+            "train.micro_batch=2", "train.steps=6", "model.n_layers=4", "model.dim=64", "cluster=a100_32",
+            "failure=none", "ft.heartbeat_timeout_s=1.0", *overrides])
+    validate(cfg)
+    return to_config(cfg), build_plan(cfg)
+
+
+def core_of(*overrides: str, clock: FakeClock | None = None, faults=()) -> Core:
+    cfg, plan = config(*overrides)
+    profile = load_profile(cfg.model, cfg.cluster, micro_batch=2, seq_len=cfg.train.seq_len, tp=1)
+    return Core(cfg, plan=plan, profile=profile, run_dir="/run", store_port=1234, ckpt_root=Path("/run/ckpt"),
+                saved=None, faults=list(faults), fired=[], planner=Inline(), clock=clock or FakeClock())
+
+
+def hello(core: Core, node: int, **kw) -> Hello:
+    per = core.per_node
+    return Hello(node, tuple(range(node * per, (node + 1) * per)), 100 + node, f"127.0.0.{node + 1}", "host",
+                 core.config, **kw)
+
+
+def of(effects, kind):
+    return [e for e in effects if isinstance(e, kind)]
+
+
+def sent(effects, kind):
+    """Messages of ``kind`` in Send or Broadcast effects."""
+    return [e.message for e in effects if isinstance(e, (Send, Broadcast)) and isinstance(e.message, kind)]
+
+
+def wait(core: Core, clock: FakeClock, seconds: float) -> None:
+    """Let ``seconds`` pass with both nodes renewing their leases."""
+    for _ in range(int(seconds / 0.5)):
+        clock.advance(0.5)
+        for node in (0, 1):
+            core.handle(Received(node, Lease(node, core.generation)))
+
+
+def registered(core: Core) -> list:
+    out = core.handle(Registered(hello(core, 0)))
+    assert out[0] == Admit(0, None) and not sent(out, Publish), "generation 0 waits for every node"
+    return out + core.handle(Registered(hello(core, 1)))
+
+
+def started(core: Core) -> Core:
+    registered(core)
+    for node in (0, 1):
+        core.handle(Received(node, NodeReady(node, 0, (2 * node, 2 * node + 1))))
+    return core
+
+
+def step(core: Core, k: int, *, nodes=(0, 1), norm=(1.0, 3.0)) -> list:
+    """Nodes report step ``k``, each the samples of its share of the plan's pipelines."""
+    out, share = [], B // len(nodes)
+    for i, node in enumerate(nodes):
+        devices = tuple(sorted(d for d in core.spec.plan.devices if d // 2 == node))
+        lo = k * B + share * i
+        out += core.handle(Received(node, NodeSynced(node, core.generation, k, devices, 0.5, ((lo, lo + share),), 0.1,
+                                                     norm[i], core.clock.now)))
+    return out
+
+
+def test_generation_zero_starts_once_every_node_registered_and_every_member_is_ready():
+    core = core_of()
+    out = registered(core)
+    (welcome,) = [e for e in of(out, Admit) if e.node == 1]
+    assert isinstance(welcome.welcome, Welcome) and welcome.welcome.store_port == 1234
+    (publish,) = sent(out, Publish)
+    assert publish.spec.generation == 0 and publish.spec.devices == (0, 1, 2, 3) and not publish.spec.moves
+    assert [m.devices for m in sent(out, Start)] == [(0, 1), (2, 3)]
+    assert core.handle(Received(0, NodeReady(0, 0, (0, 1)))) == []
+    out = core.handle(Received(1, NodeReady(1, 0, (2, 3))))
+    assert sent(out, Begin) == [Begin(0)]
+
+
+def test_a_step_commits_once_per_node_with_the_whole_plans_gradient_norm():
+    core = started(core_of())
+    assert core.handle(Received(0, NodeSynced(0, 0, 0, (0, 1), 0.5, ((0, 4),), 0.1, 1.0, core.clock.now))) == []
+    out = core.handle(Received(1, NodeSynced(1, 0, 0, (2, 3), 0.25, ((4, 8),), 0.1, 3.0, core.clock.now)))
+    (commit,) = sent(out, Commit)
+    assert (commit.generation, commit.step) == (0, 0) and commit.grad_norm == pytest.approx(2.0)
+    (committed,) = of(out, Committed)
+    assert committed.loss == pytest.approx(0.75) and committed.samples == (0, B)
+
+
+def test_a_lost_node_flags_the_generation_then_publishes_the_next_with_each_nodes_moves():
+    core = started(core_of("policy.name=dynamic"))
+    step(core, 0)
+    core.handle(Received(0, Lease(0, 0)))
+    out = core.handle(Lost(1, "its agent's link closed"))
+    kinds = [type(e).__name__ if not isinstance(e, (Send, Broadcast)) else type(e.message).__name__ for e in out]
+    assert kinds.index("Flag") < kinds.index("Publish"), "survivors abandon the step before the next generation"
+    assert Close(1) in out
+    (publish,) = sent(out, Publish)
+    assert publish.spec.generation == 1 and set(publish.spec.devices) == {0, 1} and publish.spec.resume_step == 1
+    moves = [e for e in out if isinstance(e, Send) and isinstance(e.message, Moves)]
+    assert [m.node for m in moves] == [0] and publish.spec.moves == (publish.spec.plan != core.first_plan)
+    (fault,) = [e.event for e in of(out, Record) if e.event["event"] == "fault"]
+    assert fault["failed_ranks"] == [2, 3] and "node 1 lost" in fault["cause"]
+    assert core.handle(Received(1, NodeSynced(1, 0, 1, (2, 3), 0, ((0, 1),), 0, None, 0))) == [], "a lost node is deaf"
+
+
+def test_a_commit_is_pushed_before_a_later_fault_is_flagged():
+    core = started(core_of())
+    out = step(core, 0)
+    out += core.handle(Received(0, Exited(1, 0, -9, Position(0, 1, "forward"), core.clock.now, "last heartbeat")))
+    pushed = [type(e.message).__name__ for e in out if isinstance(e, Broadcast)]
+    assert pushed.index("Commit") < pushed.index("Flag")
+    assert Send(0, Signal(0, 1, 9, "fenced")) in out
+
+
+def test_a_lease_lapses_into_a_lost_node_and_a_lease_is_answered():
+    clock = FakeClock()
+    core = started(core_of(clock=clock))
+    assert core.handle(Received(1, Lease(1, 0))) == [Send(1, Renew(0))]
+    clock.advance(0.9)
+    assert not sent(core.handle(Tick()), Flag)
+    clock.advance(0.2)
+    out = core.handle(Tick())
+    assert sent(out, Flag) == [Flag(0)] and "missed its lease" in [e.event for e in of(out, Record)][0]["cause"]
+
+
+def test_a_node_fault_is_noted_before_it_strikes_and_the_recovery_says_where():
+    core = started(core_of("policy.name=dynamic"))
+    where = Position(0, 1, "backward", 1, -1)
+    fault = FaultSpec("node_kill", None, 1, 1, "backward")
+    out = core.handle(Received(1, Dying(2, 0, fault, core.clock.now - 0.05, where)))
+    assert Send(1, Noted(0, 2)) in out and of(out, Fired)[0].faults == (fault,)
+    out = core.handle(Lost(1, "its agent's link closed"))
+    (fault_event,) = [e.event for e in of(out, Record) if e.event["event"] == "fault"]
+    assert fault_event["where"][2]["phase"] == "backward" and fault_event["t_fault_source"] == "announced"
+
+
+def test_the_watchdog_asks_where_everyone_is_then_fences_the_stuck_device():
+    clock = FakeClock()
+    core = started(core_of("ft.stall_timeout_s=5", clock=clock))
+    core.handle(Received(0, NodeSynced(0, 0, 0, (0, 1), 0.5, ((0, 4),), 0.1, 1.0, clock.now)))  # node 1 never does
+    wait(core, clock, 5.5)
+    out = core.handle(Tick())
+    (probe,) = sent(out, Probe)
+    core.handle(Received(0, Positions(0, probe.probe, {0: (Position(0, 0, "commit"), 5.4), 1: (Position(0, 0, "commit"), 5.4)})))
+    out = core.handle(Received(1, Positions(1, probe.probe, {2: (Position(0, 0, "forward", 0, 1), 5.5),
+                                                              3: (Position(0, 0, "optimizer"), 5.5)})))
+    assert out == [] or not sent(out, Flag)
+    out = core.handle(Tick())
+    assert Send(1, Signal(0, 3, 9, "fenced")) in out and Send(1, Signal(0, 2, 9, "fenced")) not in out
+    assert "stalled" in [e.event for e in of(out, Record) if e.event["event"] == "fault"][0]["cause"]
+
+
+def test_silence_with_nobody_stuck_stops_the_run_naming_who_waits_on_whom():
+    clock = FakeClock()
+    core = started(core_of("ft.stall_timeout_s=5", clock=clock))
+    wait(core, clock, 6)
+    (probe,) = sent(core.handle(Tick()), Probe)
+    for node in (0, 1):
+        core.handle(Received(node, Positions(node, probe.probe, {
+            2 * node: (Position(0, 0, "forward", 0, 2 * node + 1), 6.0),
+            2 * node + 1: (Position(0, 0, "backward", 0, 2 * node), 6.0)})))
+    with pytest.raises(TrainingError, match="waiting on device"):
+        core.handle(Tick())
+
+
+def test_sigterm_saves_at_the_next_commit_then_stops():
+    core = started(core_of("ckpt.interval=0"))
+    core.handle(Preempt())
+    (commit,) = sent(step(core, 0), Commit)
+    assert commit.order.save and commit.order.stop and core.stopping
+    assert core.spec.writers == (0, 1), "pipeline 0 writes the checkpoint"
+    assert of(core.handle(Received(0, NodeSaved(0, 7, 1, (0, 1)))), SaveCheckpoint) == [], "another generation's"
+    (save,) = of(core.handle(Received(0, NodeSaved(0, 0, 1, (0, 1)))), SaveCheckpoint)
+    assert save.complete.step == 1 and core.saved.committed_steps == 1
+    for d in range(4):
+        core.handle(Received(d // 2, Done(d, 0)))
+    assert core.over
+
+
+def test_a_second_agent_for_a_running_node_is_refused_and_a_different_config_is_an_error():
+    core = started(core_of())
+    out = core.handle(Registered(hello(core, 1)))
+    assert of(out, Refuse) and "already running" in of(out, Refuse)[0].why
+    core = core_of()
+    core.handle(Registered(hello(core, 0)))
+    other, _ = config("train.lr=0.1")
+    with pytest.raises(TrainingError, match="config differs from node 0's in train.lr"):
+        core.handle(Registered(Hello(1, (2, 3), 1, "h", "host", other)))
+
+
+def test_returning_devices_grow_the_job_at_a_step_boundary():
+    clock = FakeClock()
+    core = started(core_of("policy.name=dynamic", clock=clock))
+    for k in range(3):
+        step(core, k)
+    core.handle(Lost(1, "gone"))
+    g = core.generation
+    core.handle(Received(0, NodeReady(0, g, (0, 1))))
+    step(core, 3, nodes=(0,), norm=(1.0,))
+    out = core.handle(Registered(hello(core, 1, returning=True)))
+    assert of(out, Admit) and sent(out, Publish), "the returning node learns the newest generation"
+    for d in (2, 3):
+        core.handle(Received(1, Standby(d, g)))
+    clock.advance(1.0)
+    core.handle(Tick())  # decided in the planner's thread (here, at once)
+    out = step(core, 4, nodes=(0,), norm=(1.0,))
+    (commit,) = sent(out, Commit)
+    assert commit.order.switch_to == g + 1
+    pushed = [type(e.message).__name__ for e in out if isinstance(e, Broadcast)]
+    assert pushed.index("Publish") < pushed.index("Commit"), "the grown generation exists before the switch"
+    assert set(core.spec.devices) == {0, 1, 2, 3} and core.spec.resume_step == 5
