@@ -63,7 +63,7 @@ from chameleon.runtime.agent import Agent, lease_period
 from chameleon.runtime.beacon import Position
 from chameleon.runtime.controller import Controller
 from chameleon.runtime.messages import (
-    Begin, Commit, End, Exited, Flag, Hello, Lease, Publish, Ready, Shutdown, Standby, Synced, Welcome,
+    Begin, Commit, Done, End, Exited, Flag, Hello, Lease, Publish, Ready, Shutdown, Standby, Synced, Welcome,
 )
 from chameleon.runtime.wire import connect, job_key
 
@@ -118,9 +118,10 @@ class EmulatedPool:
         self.standby: set[int] = set()
 
     def start(self, devices, faults) -> None:
+        """Workers that start now see the newest generation, as real ones are greeted with it."""
         self.alive |= set(devices)
         if self.spec is not None:
-            self._standby()
+            self._establish(set(devices))
 
     def push(self, message: object, frame: bytes) -> None:
         if self.seen is not None:
@@ -128,19 +129,29 @@ class EmulatedPool:
         match message:
             case Publish(spec=spec):
                 self.spec, self.timers = spec, []
-                self.runs = _runs_of(spec.plan, self.alive & set(spec.plan.devices))
-                for d in sorted(self.alive & set(spec.devices)):
-                    self._at(0.001, Ready(d, spec.generation))
-                self._standby()
+                self._establish(self.alive)
             case Begin(generation=g) if self._current(g):
                 self._step(self.spec.resume_step)
             case Commit(generation=g, step=k, order=order) if self._current(g):
-                if not (order.stop or order.switch_to is not None) and k + 1 < self.steps:
+                if order.switch_to is not None:
+                    return
+                if order.stop or k + 1 == self.steps:  # done, as a real worker reports after its last step
+                    for d in sorted(self.alive & set(self.spec.devices)):
+                        self._at(0.0, Done(d, g))
+                else:
                     self._step(k + 1)
             case Flag(generation=g) if self._current(g):
                 self.timers = []
             case End():
                 self.timers = []
+
+    def _establish(self, devices: set[int]) -> None:
+        """Members of the newest generation get ready; the others wait on standby."""
+        spec = self.spec
+        self.runs = _runs_of(spec.plan, self.alive & set(spec.plan.devices))
+        for d in sorted(devices & set(spec.devices)):
+            self._at(0.001, Ready(d, spec.generation))
+        self._standby()
 
     def _current(self, generation: int) -> bool:
         return self.spec is not None and generation == self.spec.generation

@@ -68,8 +68,12 @@ def reference_cost(held: dict, needed: dict) -> int:
     return missing * MIGRATE_BYTES
 
 
-def check_manifest(manifest: Manifest, survivors) -> None:
-    """Validity of a manifest: exact result, survivors only, conflict-free rounds, byte totals."""
+def check_manifest(manifest: Manifest, survivors, old: Layout, new_layout: Layout) -> None:
+    """Validity of a manifest: exact result, survivors only, conflict-free rounds, byte totals, and every device
+    of the new layout either rebuilt or keeping exactly what it held."""
+    held, needs = device_holdings(old), device_holdings(new_layout)
+    assert set(manifest.after) | manifest.kept == set(needs) and not set(manifest.after) & manifest.kept
+    assert all(held[d] == needs[d] for d in manifest.kept)
     new = run_in_process(manifest)
     for d, held in manifest.after.items():
         for n, region in held.items():
@@ -136,8 +140,9 @@ def on_survivors(slot_plan: Plan, survivors) -> Plan:
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_relayout_to_a_new_plan_is_exact(scenario):
     old_plan, survivors, slot_plan = SCENARIOS[scenario]
-    manifest = relayout(layout(old_plan), layout(on_survivors(slot_plan, survivors)), survivors=survivors)
-    check_manifest(manifest, survivors)
+    target = layout(on_survivors(slot_plan, survivors))
+    manifest = relayout(layout(old_plan), target, survivors=survivors)
+    check_manifest(manifest, survivors, layout(old_plan), target)
 
 
 PLACEMENTS = {  # scenarios whose new plan keeps the old TP groups, as the planner's plans do
@@ -171,7 +176,8 @@ def test_placement_moves_the_fewest_bytes(scenario):
     best = min(wire_bytes(on_groups(order)) for order in itertools.permutations(groups))
     placed = place(on_groups(groups), old_plan, profile)
     assert wire_bytes(placed) == best
-    check_manifest(relayout(layout(old_plan), layout(placed), survivors=survivors), survivors)
+    check_manifest(relayout(layout(old_plan), layout(placed), survivors=survivors), survivors, layout(old_plan),
+                   layout(placed))
 
 
 def test_paper_figure_3():
@@ -238,3 +244,15 @@ def test_relabel_plan():
     assert relabelled.devices == (7, 5, 6, 4)
     assert [p.stages[0].layers for p in relabelled.pipelines] == [p.stages[0].layers for p in plan.pipelines]
     assert relabel_plan(relabelled, {7: 0, 5: 1, 6: 2, 4: 3}) == plan
+
+
+def test_devices_whose_regions_do_not_change_keep_their_state_and_only_send():
+    """A spare takes a lost device's place: every other device keeps its state untouched (no copy, no entry in
+    ``after``), and the replica that holds the lost stage only sends."""
+    old_plan = even_plan(dp=2, pp=2, tp=1, n_layers=4, global_batch=4, micro_batch=1)  # 0,1 | 2,3
+    new_plan = relabel_plan(old_plan, {0: 0, 1: 4, 2: 2, 3: 3})
+    survivors = (0, 2, 3, 4)
+    manifest = relayout(layout(old_plan), layout(new_plan), survivors=survivors)
+    check_manifest(manifest, survivors, layout(old_plan), layout(new_plan))
+    assert manifest.kept == {0, 2, 3} and set(manifest.after) == {4}
+    assert {m.src for m in manifest.moves} == {3} and set(manifest.before) == {3}

@@ -14,7 +14,8 @@ lists, for every region a device needs, where it comes from:
   lowest device id), spreading the load over DP replicas.
 - Wire moves are grouped by (src, dst) link and the links coloured into rounds
   in which a device sends on at most one link and receives on at most one
-  (links are full duplex); everything between two devices goes in one round.
+  (links are full duplex; a greedy edge colouring of the senders × receivers
+  graph, heaviest link first); everything between two devices goes in one round.
 
 Nothing here touches a process group; :mod:`chameleon.runtime.transfer` executes
 a manifest.
@@ -22,11 +23,11 @@ a manifest.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from chameleon.layout.colouring import dsatur
 from chameleon.layout.memory import MIGRATE_BYTES
 from chameleon.layout.plan import Plan, validate_plan
 from chameleon.layout.spec import (
@@ -66,14 +67,17 @@ class Manifest:
         local: moves within a device, run before any round.
         rounds: wire moves, run round by round; in a round a device sends on at most
             one link and receives on at most one, and each link's moves are listed together.
-        before: each survivor's regions before the move (absent: holds nothing).
-        after: each device's regions in the new layout.
+        before: the regions held before the move by each survivor that sends or changes.
+        after: the regions in the new layout of each device that changes.
+        kept: devices whose regions are the same in both layouts: they keep their state as it
+            is (most of a large job after one fault), and may send from it.
     """
 
     local: tuple[Move, ...]
     rounds: tuple[tuple[Move, ...], ...]
     before: dict[int, dict[str, Region]]
     after: dict[int, dict[str, Region]]
+    kept: frozenset[int] = frozenset()
 
     @property
     def moves(self) -> tuple[Move, ...]:
@@ -134,53 +138,81 @@ def relayout(
     """
     alive = sorted(set(survivors))
     old = device_holdings(old_layout)
-    before = {d: old[d] for d in alive if d in old}
-    after = device_holdings(new_layout)
-    strangers = sorted(set(after) - set(alive))
+    held = {d: old[d] for d in alive if d in old}
+    new = device_holdings(new_layout)
+    strangers = sorted(set(new) - set(alive))
     if strangers:
         raise ValueError(f"the new layout uses devices {strangers}, which are not survivors")
-    sources: dict[str, dict[int, Region]] = {}
-    for device, held in before.items():
-        for name, region in held.items():
-            sources.setdefault(name, {})[device] = region
-    sent = dict.fromkeys(alive, 0)
+    kept = frozenset(d for d, regions in new.items() if held.get(d) == regions)
+    after = {d: regions for d, regions in new.items() if d not in kept}
+    sources = _Sources(held)
     moves: list[Move] = []
     for dst in sorted(after):
         for name, need in after[dst].items():
             if region_numel(need) == 0:
                 continue
-            pieces = _pieces(name, need, dst, sources.get(name, {}), sent)
-            moves.extend(Move(name, r, src, dst, region_numel(r) * bytes_per_element) for src, r in pieces)
+            pieces = _pieces(name, need, held.get(dst, {}).get(name), sources)
+            moves.extend(Move(name, r, dst if src is None else src, dst, region_numel(r) * bytes_per_element)
+                         for src, r in pieces)
+    senders = {m.src for m in moves}
     return Manifest(
         local=tuple(m for m in moves if m.local),
         rounds=_rounds([m for m in moves if not m.local]),
-        before=before,
+        before={d: regions for d, regions in held.items() if d in senders or d in after},
         after=after,
+        kept=kept,
     )
 
 
-def _pieces(
-    name: str, need: Region, dst: int, sources: dict[int, Region], sent: dict[int, int]
-) -> list[tuple[int, Region]]:
-    """Cut ``need`` along the boundaries of the sources that overlap it and pick a source per piece."""
-    if dst in sources and contains(sources[dst], need):
-        return [(dst, need)]
-    overlapping = [(d, region) for d, region in sources.items() if intersect(region, need)]
+class _Sources:
+    """Who holds each region of each tensor, and how much each holder has sent so far.
+
+    Replicas hold equal regions, so holders are grouped by region; each group keeps a heap of
+    its devices by bytes sent (lazily refreshed), so the least-loaded holder of a piece is found
+    in time logarithmic in the replicas, not linear.
+    """
+
+    def __init__(self, held: Mapping[int, Mapping[str, Region]]):
+        self.regions: dict[str, dict[Region, list[int]]] = {}
+        for device in sorted(held):
+            for name, region in held[device].items():
+                self.regions.setdefault(name, {}).setdefault(region, []).append(device)
+        self.sent: dict[int, int] = dict.fromkeys(held, 0)
+        self._heaps: dict[tuple[str, Region], list[tuple[int, int]]] = {}
+
+    def least_loaded(self, name: str, regions: list[Region]) -> int:
+        """The holder of one of ``regions`` of ``name`` that has sent least (then the lowest id)."""
+        best = None
+        for region in regions:
+            heap = self._heaps.setdefault((name, region), [(0, d) for d in self.regions[name][region]])
+            while heap[0][0] != self.sent[heap[0][1]]:
+                _, d = heapq.heappop(heap)
+                heapq.heappush(heap, (self.sent[d], d))
+            best = heap[0] if best is None else min(best, heap[0])
+        return best[1]
+
+
+def _pieces(name: str, need: Region, own: Region | None, sources: _Sources) -> list[tuple[int | None, Region]]:
+    """Cut ``need`` along the boundaries of the held regions that overlap it and pick a source per piece
+    (None: the receiver itself, which holds it already)."""
+    if own is not None and contains(own, need):
+        return [(None, need)]
+    overlapping = [region for region in sources.regions.get(name, {}) if intersect(region, need)]
     cuts = [{lo, hi} for lo, hi in need]
-    for _, region in overlapping:
+    for region in overlapping:
         for d, ((lo, hi), (s0, s1)) in enumerate(zip(need, region, strict=True)):
             cuts[d].update(x for x in (s0, s1) if lo < x < hi)
     axes = [list(itertools.pairwise(sorted(c))) for c in cuts]
-    pieces: list[tuple[int, Region]] = []
+    pieces: list[tuple[int | None, Region]] = []
     for cell in itertools.product(*axes):
-        holders = [d for d, region in overlapping if contains(region, cell)]
-        if not holders:
-            raise LostStateError(f"no survivor holds {name}{list(cell)}: restore it from a checkpoint")
-        if dst in holders:
-            src = dst
+        if own is not None and contains(own, cell):
+            src = None
         else:
-            src = min(holders, key=lambda d: (sent[d], d))
-            sent[src] += region_numel(cell)
+            regions = [region for region in overlapping if contains(region, cell)]
+            if not regions:
+                raise LostStateError(f"no survivor holds {name}{list(cell)}: restore it from a checkpoint")
+            src = sources.least_loaded(name, regions)
+            sources.sent[src] += region_numel(cell)
         merged = _merge(pieces[-1][1], cell) if pieces and pieces[-1][0] == src else None
         if merged is None:
             pieces.append((src, cell))
@@ -199,29 +231,34 @@ def _merge(a: Region, b: Region) -> Region | None:
 
 
 def _rounds(moves: list[Move]) -> tuple[tuple[Move, ...], ...]:
-    """Colour the (src, dst) links so no device sends or receives on two links in a round."""
+    """Colour the (src, dst) links so no device sends or receives on two links in a round.
+
+    The links form a bipartite graph (senders, receivers); each link, heaviest first,
+    takes the first round in which neither its sender sends nor its receiver receives
+    yet. That needs at most ``2Δ − 1`` rounds for ``Δ`` links at the busiest end, in time
+    linear in the links (a general graph colouring of their conflicts is quadratic).
+    """
     links: dict[tuple[int, int], list[Move]] = {}
     for m in moves:
         links.setdefault((m.src, m.dst), []).append(m)
     order = sorted(links, key=lambda k: (-sum(m.nbytes for m in links[k]), k))
-    by_end: dict[tuple[str, int], list[int]] = {}
-    for i, (src, dst) in enumerate(order):
-        by_end.setdefault(("send", src), []).append(i)
-        by_end.setdefault(("recv", dst), []).append(i)
-    adjacency = [
-        {j for end in (("send", src), ("recv", dst)) for j in by_end[end] if j != i}
-        for i, (src, dst) in enumerate(order)
-    ]
-    colours = dsatur(adjacency)
-    n_rounds = max(colours, default=-1) + 1
-    return tuple(
-        tuple(m for link, c in zip(order, colours) if c == r for m in links[link]) for r in range(n_rounds)
-    )
+    sending: dict[int, set[int]] = {}
+    receiving: dict[int, set[int]] = {}
+    rounds: list[list[Move]] = []
+    for src, dst in order:
+        busy_s, busy_r = sending.setdefault(src, set()), receiving.setdefault(dst, set())
+        r = next(r for r in range(len(rounds) + 1) if r not in busy_s and r not in busy_r)
+        if r == len(rounds):
+            rounds.append([])
+        busy_s.add(r)
+        busy_r.add(r)
+        rounds[r].extend(links[src, dst])
+    return tuple(tuple(r) for r in rounds)
 
 
 def manifest_parts(manifest: Manifest, node_of: Callable[[int], int]) -> dict[int, Manifest]:
     """Each node's part of ``manifest``, in one pass: the moves its devices take part in (every round kept, so
-    rounds keep their indices, empty where they have none) and their regions before and after."""
+    rounds keep their indices, empty where they have none), their regions before and after, those it keeps."""
     local: dict[int, list[Move]] = {}
     rounds: dict[int, list[list[Move]]] = {}
     for m in manifest.local:
@@ -235,7 +272,10 @@ def manifest_parts(manifest: Manifest, node_of: Callable[[int], int]) -> dict[in
     for held, out in ((manifest.before, before), (manifest.after, after)):
         for d, regions in held.items():
             out.setdefault(node_of(d), {})[d] = regions
-    nodes = set(local) | set(rounds) | set(before) | set(after)
+    kept: dict[int, set[int]] = {}
+    for d in manifest.kept:
+        kept.setdefault(node_of(d), set()).add(d)
+    nodes = set(local) | set(rounds) | set(before) | set(after) | set(kept)
     empty = tuple(() for _ in manifest.rounds)
     return {n: Manifest(tuple(local.get(n, ())), tuple(map(tuple, rounds[n])) if n in rounds else empty,
-                        before.get(n, {}), after.get(n, {})) for n in nodes}
+                        before.get(n, {}), after.get(n, {}), frozenset(kept.get(n, ()))) for n in nodes}

@@ -87,15 +87,22 @@ def layout_of(
         ``{name: TensorSpec}``. A stage without devices contributes its names but no holder.
     """
     holders: dict[str, list[Holder]] = {}
+    placements: dict[str, tuple[Placement, ...]] = {}
+    names_of: dict[tuple, list[str]] = {}  # stages of one shape hold the same names
     for pipeline in plan.pipelines:
         last = pipeline.n_stages - 1
         for s, stage in enumerate(pipeline.stages):
-            for name in stage_names(stage.layers, first=s == 0, last=s == last):
+            key = (stage.layers, s == 0, s == last)
+            if key not in names_of:
+                names_of[key] = list(stage_names(stage.layers, first=s == 0, last=s == last))
+            for name in names_of[key]:
                 if name not in shapes:
                     raise ValueError(f"tensor {name!r} of stage layers {stage.layers} has no entry in shapes")
                 held = holders.setdefault(name, [])
                 if stage.devices:
-                    held.append(Holder(stage.devices, placements_for(name, rules=rules)))
+                    if name not in placements:
+                        placements[name] = placements_for(name, rules=rules)
+                    held.append(Holder(stage.devices, placements[name]))
     return {name: TensorSpec(name, tuple(shapes[name]), tuple(h)) for name, h in holders.items()}
 
 

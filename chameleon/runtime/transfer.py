@@ -63,8 +63,8 @@ def execute_manifest(
         manifest: the moves, from :func:`chameleon.layout.relayout.relayout`.
         me: this device's id in the manifest.
         state: per kind, the local shard of every tensor this device holds now
-            (exactly ``manifest.before[me]``; empty for a new device). Every device
-            passes the same kinds.
+            (exactly ``manifest.before[me]``, or anything it keeps when it is in
+            ``manifest.kept``; empty for a new device). Every device passes the same kinds.
         links: sends and receives between devices; its ``wait`` raises to abandon.
         dtype: dtype of every state tensor.
         device: where the state lives; new shards and receive buffers are allocated
@@ -73,7 +73,8 @@ def execute_manifest(
         on_round: called with the round's index as each round this device takes part in starts.
 
     Returns:
-        Per kind, a new local shard of every tensor in ``manifest.after[me]``.
+        Per kind, a new local shard of every tensor in ``manifest.after[me]`` (the same tensors
+        when ``me`` is in ``manifest.kept``).
 
     Raises:
         ValueError: ``state`` does not match ``manifest.before[me]``.
@@ -84,13 +85,15 @@ def execute_manifest(
     for kind in kinds:
         shapes = {name: tuple(t.shape) for name, t in state[kind].items()}
         expected = {name: region_shape(region) for name, region in before.items()}
-        if shapes != expected or any(t.dtype != dtype or t.device != torch.device(device) for t in state[kind].values()):
+        if me not in manifest.kept and shapes != expected or \
+                any(t.dtype != dtype or t.device != torch.device(device) for t in state[kind].values()):
             raise ValueError(f"state[{kind!r}] of device {me} does not match the manifest's regions, {dtype} and {device}")
     after = manifest.after.get(me, {})
-    new = {
-        kind: {name: torch.empty(region_shape(region), dtype=dtype, device=device) for name, region in after.items()}
-        for kind in kinds
-    }
+    if me in manifest.kept:  # its state stays as it is (and may be sent from)
+        new = {kind: dict(state[kind]) for kind in kinds}
+    else:
+        new = {kind: {name: torch.empty(region_shape(region), dtype=dtype, device=device)
+                      for name, region in after.items()} for kind in kinds}
     for move in manifest.local:
         if move.dst == me:
             for kind in kinds:

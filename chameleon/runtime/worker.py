@@ -280,6 +280,8 @@ def _establish(
         faults.transfer_done(resume)
         if role is None:
             return None
+        if gen.me in gen_spec.manifest.kept:
+            return state  # the same regions in the new layout: the state stays as it is, uncopied
         regions = stage_regions(model, role, spec_of(model).param_shapes(model))
         return StageState(moved, regions, train=train, device=device)
     if role is None:
