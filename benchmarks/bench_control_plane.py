@@ -13,10 +13,8 @@ authenticated links on loopback), packed by the hundred into a few emulator
 processes. Only the workers are emulated: a step is a sleep of ``--step-s`` with
 ±10 % jitter, after which each device hands its agent the ``Synced`` its plan implies
 (the samples of the micro-batches whose last stage it runs), and a commit starts the
-next step. Node 0's agent runs in the controller's process, as always; its emulated
-workers' timers fire on the controller's 10 ms tick (so node 0 may report up to 10 ms
-late, which lengthens its steps but not the measured overhead, taken from the reports'
-own times).
+next step. Node 0's agent runs in the controller's process, as always; a thread wakes the
+controller's loop when its emulated workers' next report is due.
 
 Each run trains ``WARM + WINDOW`` steps, closes the last node's link as the kernel
 does when an agent is SIGKILLed, lets the job recover, brings the node back with the
@@ -41,6 +39,8 @@ registration a restarted agent makes, lets the job grow back, and ends. Per size
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import heapq
 import json
 import multiprocessing as mp
@@ -51,6 +51,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -59,6 +60,7 @@ from _common import header
 from chameleon.config import Config
 from chameleon.layout.plan import Plan, even_plan, micro_batch_ranges
 from chameleon.layout.schedule import executors
+from chameleon.runtime import codec
 from chameleon.runtime.agent import Agent, lease_period
 from chameleon.runtime.beacon import Position
 from chameleon.runtime.controller import Controller
@@ -199,16 +201,72 @@ class EmulatedPool:
         self.timers = []
 
 
+class WokenPool(EmulatedPool):
+    """Node 0's emulated workers, inside the controller: a thread wakes the controller's loop (through a pipe it
+    watches) when their next timer is due, and the loop fires it."""
+
+    def __init__(self, agent: Agent, **kw):
+        super().__init__(agent, **kw)
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        self._changed = threading.Event()
+        threading.Thread(target=self._wake, daemon=True).start()
+
+    def _at(self, delay: float, message: object) -> None:
+        super()._at(delay, message)
+        self._changed.set()
+
+    def _wake(self) -> None:
+        while True:
+            self._changed.wait(max(0.0, min(self.next_at() - time.monotonic(), 1.0)))
+            self._changed.clear()
+            if self.next_at() <= time.monotonic():
+                os.write(self._w, b"x")
+                time.sleep(0.001)
+
+    def waitables(self) -> list:
+        return [self._r]
+
+    def on_ready(self, item) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._r, 4096)
+        self.tick()
+
+
 def _runs_of(plan: Plan, devices: set[int]) -> dict[int, list[tuple[int, int]]]:
     """The sample offsets (within a step) each trainer of ``devices`` reports: the micro-batches whose last stage
     it runs (as TP rank 0), as real workers report them."""
-    size, out = plan.micro_batch_size, {d: [] for d in devices}
-    for j, (pipe, micro) in enumerate(zip(plan.pipelines, micro_batch_ranges(plan))):
-        for i in range(pipe.micro_batches):
-            d = executors(plan, j, pipe.n_stages - 1, i)[0]
-            if d in out:
-                out[d].append(((micro.start + i) * size, (micro.start + i + 1) * size))
-    return out
+    every = _all_runs(plan)
+    return {d: every.get(d, []) for d in devices}
+
+
+_RUNS: dict[int, tuple[Plan, dict]] = {}
+
+
+def _all_runs(plan: Plan) -> dict[int, list[tuple[int, int]]]:
+    """:func:`_runs_of` for every device of ``plan``, found once per plan in an emulator process (every node of a
+    real job finds its own, at the same time)."""
+    if id(plan) not in _RUNS:
+        size, out = plan.micro_batch_size, {}
+        for j, (pipe, micro) in enumerate(zip(plan.pipelines, micro_batch_ranges(plan))):
+            for i in range(pipe.micro_batches):
+                d = executors(plan, j, pipe.n_stages - 1, i)[0]
+                out.setdefault(d, []).append(((micro.start + i) * size, (micro.start + i + 1) * size))
+        _RUNS[id(plan)] = (plan, out)
+    return _RUNS[id(plan)][1]
+
+
+class _Decoded:
+    """One emulator process's decoding of what its nodes receive: a frame broadcast to every node is the same bytes,
+    decoded once here (each real node decodes its own copy, all at the same time)."""
+
+    def __init__(self):
+        self.last: tuple[bytes, object] = (b"", None)
+
+    def __call__(self, payload: bytes) -> object:
+        if payload != self.last[0]:
+            self.last = (payload, codec.decode(payload))
+        return self.last[1]
 
 
 # ----- emulator processes -------------------------------------------------------------------------
@@ -223,11 +281,12 @@ class _Node:
         self.link = self.pool = None
         self.sent = 0.0
 
-    def join(self, port: int, *, returning: bool) -> None:
+    def join(self, port: int, *, returning: bool, decode) -> None:
         deadline = time.monotonic() + 600
         while True:
             try:
                 self.link = connect("127.0.0.1", port, job_key(SECRET), timeout_s=60)
+                self.link.decode = decode
                 break
             except OSError:
                 if time.monotonic() > deadline:
@@ -266,9 +325,11 @@ def emulate(nodes: list[int], config: Config, port: int, step_s: float, window: 
     """Run ``nodes``' agents until the job ends (``window``: the measured steps after ``WARM``; ``victim``: the node
     to lose and bring back; ``watch``: the controller's pid, whose CPU time the process of node 1 reads)."""
     record = {"commits": {}, "publishes": [], "bytes": {}, "cpu": {}, "kill": None, "hello_back": None}
+    gc.freeze()
+    decode = _Decoded()
     emulated = {n: _Node(n, config, step_s, record) for n in nodes}
     for node in emulated.values():
-        node.join(port, returning=False)
+        node.join(port, returning=False, decode=decode)
     selector = selectors.DefaultSelector()
     for node in emulated.values():
         selector.register(node.link, selectors.EVENT_READ, node)
@@ -309,7 +370,7 @@ def emulate(nodes: list[int], config: Config, port: int, step_s: float, window: 
                         live.discard(victim)
                     elif victim in emulated and step >= back_at and record["kill"] and record["hello_back"] is None:
                         back = emulated[victim]
-                        back.join(port, returning=True)
+                        back.join(port, returning=True, decode=decode)
                         selector.register(back.link, selectors.EVENT_READ, back)
                         live.add(victim)
         for n in list(live):
@@ -367,7 +428,7 @@ def run_size(devices: int, *, step_s: float, window: int) -> dict:
             p.start()
         run_dir = Path(tmp) / "run"
         run_dir.mkdir()
-        controller = Controller(config, plan=plan, run_dir=run_dir, secret=SECRET, local_pool=lambda agent: EmulatedPool(
+        controller = Controller(config, plan=plan, run_dir=run_dir, secret=SECRET, local_pool=lambda agent: WokenPool(
             agent, step_s=step_s, steps=steps, seed=0))
         keys_before = controller.store.num_keys()
         t0 = time.time()
@@ -395,7 +456,8 @@ def summarise(devices, nodes, step_s, steps, records, metrics, events, keys_befo
     nbytes = sum(r["bytes"][str(WARM + steps)] - r["bytes"][str(WARM)] for r in records)
     kill = next(r["kill"] for r in records if r["kill"])
     fault = next(e for e in events if e["event"] == "fault")
-    after = [t for r in records for node, g, t, _ in r["publishes"] if g == fault["generation"] + 1]
+    recovered = next(e for e in events if e["event"] == "recovered")
+    after = [t for r in records for node, g, t, _ in r["publishes"] if g == fault["generation"] + 1 and node != nodes - 1]
     back = next(r["hello_back"] for r in records if r["hello_back"])
     grown = [t for r in records for node, g, t, member in r["publishes"] if member and node == nodes - 1 and t >= back]
     growth = next((e for e in events if e["event"] == "grown"), None)
@@ -406,7 +468,9 @@ def summarise(devices, nodes, step_s, steps, records, metrics, events, keys_befo
         "controller_cpu_ms_per_step": (cpu[str(WARM + steps)] - cpu[str(WARM)]) / 1e6 / steps,
         "store_ops_per_step": 0.0, "store_keys_before_after": [keys_before, keys_after],
         "control_bytes_per_step": nbytes / steps,
-        "fault_to_generation_s": max(after) - kill, "decide_s": fault["decide_s"], "fault_choice": fault["decision"]["choice"],
+        "fault_to_generation_s": max(after) - kill, "detect_s": fault["t_fault"] + fault["detect_s"] - kill,
+        "decide_s": fault["decide_s"], "publish_s": recovered["publish_s"], "first_publish_s": min(after) - kill,
+        "fault_choice": fault["decision"]["choice"],
         "rejoin_to_generation_s": (min(grown) - back) if grown else None,
         "growth": growth["chosen"] if growth else "declined",
         "wall_s": wall,

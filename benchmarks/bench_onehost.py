@@ -10,7 +10,8 @@ with this tree and with ``--baseline`` (checked out into a temporary git worktre
 alternating, ``--repeats`` times each. The current tree trains the baseline's math
 (no clipping, a constant learning rate), so both reach the same losses. Reported: medians of
 the start-up (launch → first step), the steady step rate before the fault, kill → first
-committed step, and the rate after the recovery, with their ratios.
+committed step, and the rate after the recovery, with their ratios, and the median time a failure-free step takes beyond its slowest worker's compute
+(``step_time_s − compute_s``: the commit round trip, the optimizer step, the wait for the next step).
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ def run(tree: Path, run_dir: Path) -> dict:
         raise RuntimeError(f"{tree}: {proc.stderr[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     (recovery,) = summary["recoveries"]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    before = [m for m in steps if 0 < m["step"] < recovery["step"]]
     return {"startup_s": summary["startup_s"], "before": summary["samples_per_s_before_fault"],
             "recovery_s": recovery["total_s"], "after": summary["samples_per_s_after_recovery"],
+            "beyond_ms": 1e3 * statistics.median(m["step_time_s"] - m["compute_s"] for m in before),
             "final_loss": summary["final_loss"]}
 
 
@@ -72,14 +76,15 @@ def main() -> None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)], check=True)
     med = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for name, rows in results.items()}
     base, this = med[f"baseline {args.baseline}"], med["this tree"]
-    print("\n| tree | start-up (s) | samples/s before the fault | kill → first committed step (s) | "
-          "samples/s after | final loss |")
-    print("|---|---|---|---|---|---|")
+    print("\n| tree | start-up (s) | samples/s before the fault | step beyond its compute (ms) | "
+          "kill → first committed step (s) | samples/s after | final loss |")
+    print("|---|---|---|---|---|---|---|")
     for name, m in med.items():
-        print(f"| {name} | {m['startup_s']:.2f} | {m['before']:.0f} | {m['recovery_s']:.3f} | {m['after']:.0f} | "
-              f"{m['final_loss']:.6f} |")
+        print(f"| {name} | {m['startup_s']:.2f} | {m['before']:.0f} | {m['beyond_ms']:.1f} | {m['recovery_s']:.3f} | "
+              f"{m['after']:.0f} | {m['final_loss']:.6f} |")
     print(f"| this ÷ baseline | {this['startup_s'] / base['startup_s']:.2f} | {this['before'] / base['before']:.2f} | "
-          f"{this['recovery_s'] / base['recovery_s']:.2f} | {this['after'] / base['after']:.2f} | — |")
+          f"{this['beyond_ms'] / base['beyond_ms']:.2f} | {this['recovery_s'] / base['recovery_s']:.2f} | "
+          f"{this['after'] / base['after']:.2f} | — |")
     print(f"\nmedians of {repeats} alternating runs each")
 
 

@@ -114,3 +114,15 @@ def test_only_dataclasses_are_registered_and_names_are_unique():
         codec.register(dataclasses.dataclass(Commit))
     with pytest.raises(codec.CodecError, match="register it"):
         codec.encode(object())
+
+
+def test_a_large_spec_travels_deflated_and_a_lying_one_is_refused():
+    plan = even_plan(dp=512, pp=8, tp=1, n_layers=32, global_batch=4096, micro_batch=1)
+    spec = GenerationSpec(1, plan, plan.devices, 0, writers=plan.pipelines[0].devices)
+    frame = codec.encode(Publish(spec))
+    assert frame[:4] == b"CHZ1" and len(frame) < len(json.dumps(plan.devices)) * 3
+    assert codec.decode(frame) == Publish(spec)
+    for bad in (frame[:4] + struct.pack("<I", 10) + frame[8:], frame[:4] + struct.pack("<I", 0xFFFFFFFF) + frame[8:],
+                frame[:-10]):
+        with pytest.raises(codec.CodecError):
+            codec.decode(bad)

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from chameleon.decision import estimator as est
-from chameleon.decision.planner import Planner, precompute_single_faults
+from chameleon.decision.planner import Planner, place, precompute, stage_units
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage, even_plan, validate_plan
 from tests.test_decision_estimator import tiny_profile
 
@@ -103,11 +103,17 @@ def test_tp_groups_are_units_and_ranges_are_respected():
     assert all(st.devices in units for p in plan.pipelines for st in p.stages)
 
 
-def test_precompute_single_faults_is_a_lookup_per_device():
+def test_precomputed_shapes_serve_any_fault_that_leaves_as_many_units():
     prof = tiny_profile(n_layers=8)
     plan = even_plan(dp=2, pp=4, tp=1, n_layers=8, global_batch=16, micro_batch=1)
-    table = precompute_single_faults(plan, Planner(prof))
-    assert sorted(table) == list(range(8))
-    for dead, new in table.items():
+    planner = Planner(prof)
+    table = precompute(plan, planner, {1, 4})
+    assert sorted(table.shapes) == [4, 7]
+    for dead in ({3}, {4, 5, 6, 7}):
+        units = stage_units(plan, dead)
+        new = table.plan_for(units, plan, prof)
         validate_plan(new)
-        assert sorted(new.devices) == [d for d in range(8) if d != dead]
+        assert sorted(new.devices) == sorted(d for d in range(8) if d not in dead)
+        searched = place(planner.choose(units, n_micro=16, micro_batch_size=1), plan, prof)
+        assert est.estimate_step(prof, new).t_step == pytest.approx(est.estimate_step(prof, searched).t_step)
+    assert table.plan_for(stage_units(plan, {0, 1}), plan, prof) is None, "six units left: not searched"

@@ -550,28 +550,45 @@ def stage_units(plan: Plan, failed: set[int] = frozenset()) -> list[tuple[int, .
     return [st.devices for p in plan.pipelines for st in p.stages if st.devices and not failed & set(st.devices)]
 
 
-def precompute_single_faults(plan: Plan, planner: Planner) -> dict[int, Plan]:
-    """The best plan after each single-device fault of ``plan``, so a real fault is a lookup.
+def refill(plan: Plan, units: list[tuple[int, ...]]) -> Plan:
+    """``plan``'s shape with its stages given ``units`` in order (pipeline by pipeline); extra units idle."""
+    it = iter(units)
+    pipelines = tuple(
+        Pipeline(stages=tuple(Stage(devices=next(it), layers=st.layers) for st in p.stages), micro_batches=p.micro_batches)
+        for p in plan.pipelines
+    )
+    return Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=pipelines)
 
-    All single faults leave the same number of units, so one search serves every
-    device; only the placement differs.
+
+@dataclass(frozen=True)
+class Precomputed:
+    """The planner's best plan shapes, searched ahead for the faults likely next, by the stage units they leave.
+
+    Every fault that leaves the same number of units is served by one search (the
+    shape does not depend on which units are left); only placing the survivors, at the
+    fault, depends on it, and costs a transport problem, not a search.
     """
+
+    shapes: dict[int, Plan]
+
+    def plan_for(self, units: list[tuple[int, ...]], previous: Plan, profile: Profile) -> Plan | None:
+        """The precomputed shape for ``units`` filled with them and placed to move the least state from
+        ``previous``; None when no shape was searched for that many units."""
+        shape = self.shapes.get(len(units))
+        return None if shape is None else place(refill(shape, units), previous, profile)
+
+
+def precompute(plan: Plan, planner: Planner, losses) -> Precomputed:
+    """Search the best shape for each number of stage units ``plan`` keeps after losing ``losses`` of them (a
+    device's unit, a node's units…), so that a fault needs no search."""
     units = stage_units(plan)
-    if len(units) < 2:
-        return {}
-    try:
-        shape = planner.choose(units[1:], n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
-    except PlanError:
-        return {}
-    out = {}
-    for unit in units:
-        survivors = iter(u for u in units if u != unit)
-        pipelines = tuple(
-            Pipeline(stages=tuple(Stage(devices=next(survivors), layers=st.layers) for st in p.stages), micro_batches=p.micro_batches)
-            for p in shape.pipelines
-        )
-        filled = Plan(n_layers=shape.n_layers, micro_batch_size=shape.micro_batch_size, pipelines=pipelines)
-        placed = place(filled, plan, planner.profile)
-        for d in unit:
-            out[d] = placed
-    return out
+    shapes = {}
+    for lost in sorted(set(losses)):
+        left = len(units) - lost
+        if left >= 1:
+            try:
+                shapes[left] = planner.choose(units[:left], n_micro=plan.n_micro_batches,
+                                              micro_batch_size=plan.micro_batch_size)
+            except PlanError:
+                continue
+    return Precomputed(shapes)

@@ -14,6 +14,7 @@ lands in is a function of the plan alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 class PlanError(ValueError):
@@ -90,10 +91,15 @@ class Plan:
     def global_batch(self) -> int:
         return self.n_micro_batches * self.micro_batch_size
 
-    @property
+    @cached_property
     def devices(self) -> tuple[int, ...]:
-        """Every device the plan uses, in pipeline-then-stage order."""
+        """Every device the plan uses, in pipeline-then-stage order (a plan is immutable: found once)."""
         return tuple(d for p in self.pipelines for d in p.devices)
+
+    @cached_property
+    def device_set(self) -> frozenset[int]:
+        """:attr:`devices` as a set."""
+        return frozenset(self.devices)
 
     def describe(self) -> str:
         """One line per pipeline, e.g. ``pipe0 [0:2|2:4] tp1 ×4mb on 0,1``."""

@@ -197,7 +197,12 @@ def _pieces(name: str, need: Region, own: Region | None, sources: _Sources) -> l
     (None: the receiver itself, which holds it already)."""
     if own is not None and contains(own, need):
         return [(None, need)]
-    overlapping = [region for region in sources.regions.get(name, {}) if intersect(region, need)]
+    held = sources.regions.get(name, {})
+    if need in held and own is None:  # a replica holds exactly this region (the common case): one piece
+        src = sources.least_loaded(name, [need])
+        sources.sent[src] += region_numel(need)
+        return [(src, need)]
+    overlapping = [region for region in held if intersect(region, need)]
     cuts = [{lo, hi} for lo, hi in need]
     for region in overlapping:
         for d, ((lo, hi), (s0, s1)) in enumerate(zip(need, region, strict=True)):

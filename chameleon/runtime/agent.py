@@ -29,6 +29,7 @@ can never act in a newer generation, then registers again as a returning node.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -117,8 +118,8 @@ class Agent:
         self.pool.generation = self.generation
         match order:
             case Publish(spec=spec):
-                mine = frozenset(d for d in spec.devices if d in self.devices)
-                trainers = tuple(d for d in sorted(spec.plan.devices) if d in mine)
+                mine = frozenset(d for d in self.devices if d in spec.device_set)
+                trainers = tuple(d for d in self.devices if d in mine and d in spec.plan.device_set)
                 self.current = _Generation(spec, mine, trainers, set(), {})
                 self.writers[spec.generation] = frozenset(d for d in spec.writers if d in mine)
                 for old in [g for g in self.writers if g < spec.generation - 2]:
@@ -222,6 +223,7 @@ def serve(config: Config, *, node: int, master_addr: str, control_port: int, key
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     forkserver(start=True, ready=True)  # register only once workers can start at once
+    gc.freeze()  # collections walk the agent's own objects, not torch's
     returning, contact_s = False, 2 * config.ft.heartbeat_timeout_s
     deadline = time.monotonic() + join_timeout_s
     while True:

@@ -6,11 +6,16 @@ document followed by the raw bytes of any tensors it holds:
 
     ``b"CHM1"`` ‖ u32 length of the JSON ‖ JSON ‖ tensor bytes
 
+and a frame whose JSON passes 64 KiB (a generation spec of thousands of devices) is
+deflated whole: ``b"CHZ1"`` ‖ u32 inflated length ‖ zlib stream. It is encoded and
+compressed once however many nodes it is sent to.
+
 Values map to JSON as themselves (``None``, booleans, numbers, strings, lists) or
 as one-key objects: ``{"t": [...]}`` a tuple, ``{"f": [...]}`` a frozenset,
 ``{"s": {...}}`` a dict with string keys, ``{"m": [[k, v], ...]}`` any other dict,
 ``{"c": name, "v": [...]}`` an instance of a registered dataclass (its fields in
-order), ``{"x": [dtype, shape, offset]}`` a tensor.
+order; ``{"c": name, "p": [...]}`` for one registered with a packing of plain JSON,
+such as a plan), ``{"x": [dtype, shape, offset]}`` a tensor.
 
 Reading a frame only ever builds JSON values, tuples, dicts, tensors of an allowed
 dtype and instances of the dataclasses registered here by name: nothing read can
@@ -25,16 +30,21 @@ import dataclasses
 import json
 import struct
 import typing
+import zlib
+from collections.abc import Callable
 
 import torch
 
-MAGIC = b"CHM1"
-_HEAD = struct.Struct("<4sI")
+MAGIC, ZMAGIC = b"CHM1", b"CHZ1"
+_HEAD = _ZHEAD = struct.Struct("<4sI")
+COMPRESS_FROM = 1 << 16  # a JSON part this large is deflated (a generation spec of thousands of devices)
+MAX_INFLATED = 1 << 31
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8, torch.uint8,
     torch.bool,
 )}
 _CLASSES: dict[str, type] = {}
+_PACKED: dict[str, tuple[Callable, Callable]] = {}
 
 
 class CodecError(ValueError):
@@ -49,6 +59,13 @@ def register(*classes: type) -> None:
         known = _CLASSES.setdefault(cls.__name__, cls)
         if known is not cls:
             raise TypeError(f"two classes named {cls.__name__} cannot both be registered")
+
+
+def register_packed(cls: type, *, pack: Callable[[object], list], unpack: Callable[[list], object]) -> None:
+    """Allow ``cls`` in frames as ``pack(value)``, plain JSON (lists, numbers, strings), rebuilt by ``unpack``:
+    for a large value whose every field would otherwise be tagged (a plan of thousands of stages)."""
+    register(cls)
+    _PACKED[cls.__name__] = (pack, unpack)
 
 
 def register_tree(root: type) -> None:
@@ -79,7 +96,7 @@ def encode(value: object) -> bytes:
         if isinstance(v, list):
             return [enc(x) for x in v]
         if isinstance(v, tuple):
-            return {"t": [enc(x) for x in v]}
+            return {"t": list(v) if all(type(x) is int for x in v) else [enc(x) for x in v]}
         if isinstance(v, dict):
             if all(isinstance(k, str) for k in v):
                 return {"s": {k: enc(x) for k, x in v.items()}}
@@ -91,10 +108,15 @@ def encode(value: object) -> bytes:
         cls = type(v)
         if _CLASSES.get(cls.__name__) is not cls:
             raise CodecError(f"cannot encode a {cls.__module__}.{cls.__qualname__}: register it with the codec")
+        if cls.__name__ in _PACKED:
+            return {"c": cls.__name__, "p": _PACKED[cls.__name__][0](v)}
         return {"c": cls.__name__, "v": [enc(getattr(v, f.name)) for f in dataclasses.fields(v)]}
 
     doc = json.dumps(enc(value), separators=(",", ":")).encode()
-    return b"".join([_HEAD.pack(MAGIC, len(doc)), doc, *blobs])
+    frame = b"".join([_HEAD.pack(MAGIC, len(doc)), doc, *blobs])
+    if len(doc) >= COMPRESS_FROM:  # a large generation spec: sent to every node, encoded (and compressed) once
+        return _ZHEAD.pack(ZMAGIC, len(frame)) + zlib.compress(frame, 1)
+    return frame
 
 
 def _tensor(t: torch.Tensor, blobs: list[bytes], size: list[int]) -> list:
@@ -114,6 +136,8 @@ def decode(frame: bytes | memoryview) -> object:
         CodecError: the frame is malformed or names a class, tag or dtype this codec does not build.
     """
     view = memoryview(frame)
+    if len(view) >= _ZHEAD.size and bytes(view[:4]) == ZMAGIC:
+        view = memoryview(_inflate(view))
     if len(view) < _HEAD.size:
         raise CodecError("a frame shorter than its header")
     magic, length = _HEAD.unpack_from(view)
@@ -132,7 +156,9 @@ def decode(frame: bytes | memoryview) -> object:
             return [dec(x) for x in v]
         if "c" in v:
             cls = _CLASSES.get(v["c"])
-            if cls is None or set(v) != {"c", "v"}:
+            if cls is not None and set(v) == {"c", "p"} and v["c"] in _PACKED:
+                return _PACKED[v["c"]][1](v["p"])
+            if cls is None or set(v) != {"c", "v"} or v["c"] in _PACKED:
                 raise CodecError(f"a frame names {v['c']!r}, which is not a registered class")
             return cls(*(dec(x) for x in v["v"]))
         if len(v) != 1:
@@ -152,8 +178,23 @@ def decode(frame: bytes | memoryview) -> object:
 
     try:
         return dec(doc)
-    except (TypeError, AttributeError, StopIteration) as err:
+    except (TypeError, AttributeError, StopIteration, ValueError) as err:
         raise CodecError(f"a frame does not describe a value: {err}") from None
+
+
+def _inflate(view: memoryview) -> bytes:
+    """The frame inside a compressed one, refusing one that would inflate past its stated size."""
+    _, size = _ZHEAD.unpack_from(view)
+    if size > MAX_INFLATED:
+        raise CodecError(f"a compressed frame claims {size} bytes")
+    inflater = zlib.decompressobj()
+    try:
+        frame = inflater.decompress(bytes(view[_ZHEAD.size:]), size + 1)
+    except zlib.error as err:
+        raise CodecError(f"a compressed frame is malformed: {err}") from None
+    if len(frame) != size or inflater.unconsumed_tail:
+        raise CodecError("a compressed frame does not inflate to its stated size")
+    return frame
 
 
 def _untensor(body: list, blobs: memoryview) -> torch.Tensor:

@@ -14,6 +14,7 @@ through one ``epoll`` set, so a slow or stopped agent never holds the loop up.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import selectors
@@ -46,7 +47,7 @@ from chameleon.runtime.messages import Hello, Shutdown
 from chameleon.runtime.recorder import Recorder
 from chameleon.runtime.wire import AuthError, Link, Listener, job_key
 
-TICK_S = 0.01
+TICK_S = 0.05  # time-driven work (leases, the watchdog, node 0's workers' heartbeats); messages wake the loop at once
 HELLO_S = 5.0  # an authenticated agent must say hello this soon
 REAP_S = 30.0
 FIRED_FILE = "faults_fired.json"
@@ -107,6 +108,7 @@ class Controller:
     def run(self) -> Path:
         """Train to the last step through faults; write the outputs; return ``summary.json``'s path."""
         self.recorder = Recorder(self.config, self.run_dir, first_step=self.core.first_step)
+        gc.freeze()  # what start-up built stays: collections then only walk the loop's own objects, never torch's
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: self._handle(Preempt()))
         try:
             if self.resumed_from is not None:

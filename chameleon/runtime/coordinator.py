@@ -24,6 +24,9 @@ from chameleon.runtime.checkpoint import writers
 from chameleon.runtime.errors import TrainingError
 
 
+LAYOUTS_KEPT = 4
+
+
 @dataclass(frozen=True)
 class SavedState:
     """The newest complete checkpoint: its committed steps, when that step committed, and its root."""
@@ -66,9 +69,16 @@ class Coordinator:
         self.model, self.spec = model, spec_of(model)
         self.shapes = self.spec.param_shapes(model)
         self._estimated: tuple[Plan | None, float] = (None, 0.0)
+        self._layouts: list[tuple[Plan, Layout]] = []
 
     def layout(self, plan: Plan) -> Layout:
-        return self.spec.layout(self.model, plan)
+        """``plan``'s layout; the last few plans' are kept (the resident plan's serves every fault of its
+        generation, a new plan's both its manifest and its checkpoint writers)."""
+        for known, layout in self._layouts:
+            if known is plan:
+                return layout
+        self._layouts = [(plan, self.spec.layout(self.model, plan)), *self._layouts[:LAYOUTS_KEPT - 1]]
+        return self._layouts[0][1]
 
     def writers(self, plan: Plan) -> tuple[int, ...]:
         """The devices that write checkpoints under ``plan``."""

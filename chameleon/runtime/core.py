@@ -33,7 +33,7 @@ from pathlib import Path
 from chameleon.config import Config, world_size
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.measured import Measured, plan_shape
-from chameleon.decision.planner import Planner, precompute_single_faults
+from chameleon.decision.planner import Planner, precompute, stage_units
 from chameleon.decision.profiler import Profile
 from chameleon.decision.selector import Decision
 from chameleon.layout.plan import Plan
@@ -205,6 +205,7 @@ class Recovery:
     t_fault_source: str
     where: dict[int, dict]
     t_decided: float = 0.0
+    t_published: float = 0.0
     t_started: float = 0.0
     t_first_commit: float = 0.0
     decision: dict = field(default_factory=dict)
@@ -218,6 +219,7 @@ class Recovery:
             "failed_ranks": self.failed, "cause": self.cause, "step": self.step, "where": self.where,
             "chosen": self.decision.get("choice"), "t_fault_source": self.t_fault_source,
             "detect_s": self.t_detect - self.t_fault, "decide_s": self.t_decided - self.t_detect,
+            "publish_s": self.t_published - self.t_decided,
             "restore_s": self.t_started - self.t_decided, "redo_s": self.t_first_commit - self.t_started,
             "total_s": self.t_first_commit - self.t_fault, "manifest_bytes": self.manifest_bytes,
             "manifest_rounds": self.manifest_rounds, "first_step_s": self.first_step_s,
@@ -582,8 +584,9 @@ class Core:
         self._emit(Broadcast(Begin(self.generation)))
         self.resident = self.spec.plan
         self.resident_times = self.ran.setdefault(plan_shape(self.resident), (self.resident, []))[1]
-        if self.policy.precompute:  # the next single fault becomes a lookup (the planner runs meanwhile)
-            self.precomputed = (self.resident, self.planner.submit(precompute_single_faults, self.resident, self.planner_))
+        if self.policy.precompute:  # the likely next faults need no search (the planner runs meanwhile)
+            self.precomputed = (self.resident, self.planner.submit(precompute, self.resident, self.planner_,
+                                                                   self._likely_losses()))
         now = self.clock.wall()
         self.last_commit = self.last_progress = self.clock.mono()
         self.t_train = self.t_train or now
@@ -691,20 +694,26 @@ class Core:
                   + f"\n{transition.decision.table()}\n{reload}new plan:\n{transition.plan.describe()}")
         self._publish(transition.plan, members=transition.members, resume_step=transition.resume_step,
                       manifest=transition.manifest, checkpoint=transition.checkpoint)
+        rec.t_published = self.clock.wall()
+
+    def _likely_losses(self) -> set[int]:
+        """How many stage units of the resident plan the likely next faults take: one device's, one node's."""
+        tp = max(st.tp for p in self.resident.pipelines for st in p.stages)
+        return {1, max(1, self.per_node // tp)} if self.launcher.nnodes > 1 else {1}
 
     def _precomputed_for(self, devices: set[int]) -> Plan | None:
-        """The plan precomputed for this single fault, if any (waiting out the planner thread first)."""
+        """The precomputed shape for what survives, placed; None when none was searched for it, or its search
+        has not finished (a decision never waits on the planner's thread: the selector searches itself)."""
         if self.growth is not None:
-            future = self.growth[2]
-            if not future.cancel():
-                _quietly(future)
+            self.growth[2].cancel()  # a fault supersedes the growth; a search under way finishes unheard
             self.growth = None
-        failed = set(self.resident.devices) - self.alive
-        if self.precomputed is None or self.precomputed[0] is not self.resident or len(failed) != 1:
-            if self.precomputed is not None:
-                _quietly(self.precomputed[1])
+        if self.precomputed is None or self.precomputed[0] is not self.resident or not self.precomputed[1].done():
             return None
-        return self.precomputed[1].result().get(next(iter(failed)))
+        units = stage_units(self.resident, set(self.resident.devices) - self.alive)
+        try:
+            return self.precomputed[1].result().plan_for(units, self.resident, self.profile)
+        except Exception:  # noqa: BLE001 - a failed precompute is a missing one
+            return None
 
     def _fence(self, devices: set[int]) -> None:
         """Make sure lost devices are dead: SIGKILL through their agents, where those can be reached."""
@@ -857,11 +866,3 @@ def config_difference(ours: dict, theirs: dict, prefix: str = "") -> list[str]:
         elif a != b:
             out.append(path)
     return out
-
-
-def _quietly(future: Future) -> None:
-    """Wait for a background planner job, whatever its outcome (a fault supersedes it)."""
-    try:
-        future.result()
-    except Exception:  # noqa: BLE001 - its result is no longer wanted
-        pass

@@ -20,6 +20,7 @@ generation says is dropped. ``docs/protocol.md`` gives who sends what, when.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from chameleon.config import Config
 from chameleon.layout.plan import Pipeline, Plan, Reroute, Stage
@@ -59,6 +60,11 @@ class GenerationSpec:
     checkpoint: str | None = None
     writers: tuple[int, ...] = ()  # the devices that write its checkpoints
     moves: bool = False  # state moves by a manifest (its part arrives as :class:`Moves`)
+
+    @cached_property
+    def device_set(self) -> frozenset[int]:
+        """The members, as a set."""
+        return frozenset(self.devices)
 
 
 @dataclass(frozen=True)
@@ -376,8 +382,22 @@ class Shutdown:
 PUSHED = (Moves, Publish, Begin, Commit, Flag, End)
 """What an agent forwards to its workers."""
 
+def _pack_plan(plan: Plan) -> list:
+    pipelines = [[p.micro_batches, [[*st.layers, list(st.devices)] for st in p.stages]] for p in plan.pipelines]
+    return [plan.n_layers, plan.micro_batch_size, pipelines, [[r.pipeline, r.stage, list(r.hosts)] for r in plan.reroutes]]
+
+
+def _unpack_plan(packed: list) -> Plan:
+    n_layers, micro_batch_size, pipelines, reroutes = packed
+    return Plan(n_layers, micro_batch_size,
+                tuple(Pipeline(tuple(Stage(tuple(devices), (lo, hi)) for lo, hi, devices in stages), micro)
+                      for micro, stages in pipelines),
+                tuple(Reroute(j, s, tuple(hosts)) for j, s, hosts in reroutes))
+
+
+codec.register_packed(Plan, pack=_pack_plan, unpack=_unpack_plan)
 codec.register(
-    Plan, Pipeline, Stage, Reroute, Manifest, Move, Position, FaultSpec, GenerationSpec, CommitOrder,
+    Pipeline, Stage, Reroute, Manifest, Move, Position, FaultSpec, GenerationSpec, CommitOrder,
     Moves, Publish, Begin, Commit, Flag, End, Standby, Ready, Synced, CheckpointSaved, Failed, Dying, FinalShards, Done,
     Hello, Lease, NodeReady, NodeSynced, NodeSaved, Positions, Exited, Hung,
     Renew, Start, Inject, Noted, Probe, Welcome, Signal, Shutdown,

@@ -63,6 +63,7 @@ class Link:
         self._in = bytearray()
         self._closed = False
         self._early: list[tuple[object, bytes]] = []  # received, not yet returned (after a recv)
+        self.decode = codec.decode
         self._lock = threading.Lock()
         self.bytes_sent = self.bytes_received = 0
 
@@ -142,7 +143,7 @@ class Link:
                 raise AuthError(f"a message from {self.peer} failed verification (forged, altered or replayed)")
             self._received += 1
             try:
-                out.append((codec.decode(payload), payload))
+                out.append((self.decode(payload), payload))
             except codec.CodecError as err:
                 raise AuthError(f"a message from {self.peer} is malformed: {err}") from None
         if not out and self._closed:

@@ -22,6 +22,7 @@ only to connect its process groups.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -101,6 +102,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, down: Connection, lifeline: 
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    gc.freeze()  # torch's objects, inherited from the forkserver: collections never walk them again
     uplink, beacon = _Uplink(conn, spec.device), Beacon(beacon_words)
     inbox = Inbox(down, board_words, silence_s=spec.config.launcher.timeout_s)
     threading.Thread(target=_heartbeat, args=(beacon, lifeline, spec.device), name="heartbeat", daemon=True).start()

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
-from chameleon.decision.planner import Planner, place, stage_units
+from chameleon.decision.planner import Planner, place, refill, stage_units
 from chameleon.decision.profiler import Profile
 from chameleon.decision.selector import decide, decide_growth
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage
@@ -135,16 +135,6 @@ class Planning:
             self._even[key] = min(fitting, key=lambda p: (self.t_step(p), len(p.devices)), default=None)
         shape = self._even[key]
         return None if shape is None else refill(shape, units)
-
-
-def refill(plan: Plan, units: Units) -> Plan:
-    """``plan``'s shape with its stages given ``units`` in order (pipeline by pipeline); extra units idle."""
-    it = iter(units)
-    pipelines = tuple(
-        Pipeline(stages=tuple(Stage(devices=next(it), layers=st.layers) for st in p.stages), micro_batches=p.micro_batches)
-        for p in plan.pipelines
-    )
-    return Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=pipelines)
 
 
 def units_of(devices, tp: int) -> Units:
