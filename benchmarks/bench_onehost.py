@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_onehost.py [--baseline 9aae653] [--repeats 3] [--quick]
+    python benchmarks/bench_onehost.py [--baseline 3691239] [--repeats 3] [--quick]
 
 Runs the same job — the tiny model on 4 workers (dp2 × pp2), 30 steps, worker 1 SIGKILLed
 in the backward of step 15, re-planned (``policy.name=dynamic``), checkpoints every 5 steps —
@@ -56,7 +56,8 @@ def run(tree: Path, run_dir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", default="9aae653", help="the git revision to compare with")
+    parser.add_argument("--baseline", default="3691239", help="the git revision to compare with (default: the last "
+                        "before the push control plane)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one repeat")
     args = parser.parse_args()

@@ -23,6 +23,7 @@ def test_chaos_quick():
     ("bench_precision.py", ["--quick"], "single process"),
     ("device_check.py", [], "skipped"),
     ("bench_multinode.py", ["--quick"], "medians"),
+    ("bench_groups.py", ["--ranks", "2", "4"], "plan"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_runtime_benchmark_runs(script, args, expect):
     """A smallest run of each runtime benchmark (its full run writes the docs' figures)."""

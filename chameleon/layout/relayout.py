@@ -184,7 +184,10 @@ class _Sources:
         """The holder of one of ``regions`` of ``name`` that has sent least (then the lowest id)."""
         best = None
         for region in regions:
-            heap = self._heaps.setdefault((name, region), [(0, d) for d in self.regions[name][region]])
+            heap = self._heaps.get((name, region))
+            if heap is None:
+                heap = self._heaps[name, region] = [(self.sent[d], d) for d in self.regions[name][region]]
+                heapq.heapify(heap)
             while heap[0][0] != self.sent[heap[0][1]]:
                 _, d = heapq.heappop(heap)
                 heapq.heappush(heap, (self.sent[d], d))

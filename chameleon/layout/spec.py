@@ -131,11 +131,15 @@ def shard_region(shape: tuple[int, ...], placements: tuple[Placement, ...], tp_i
 def device_holdings(layout: Layout) -> dict[int, dict[str, Region]]:
     """Per device, the region of every tensor it holds (one shard per tensor: a device runs one stage)."""
     holdings: dict[int, dict[str, Region]] = {}
+    regions: dict[tuple, Region] = {}  # holders of one tensor share their TP cuts: each is found once
     for spec in layout.values():
         for holder in spec.holders:
+            tp = len(holder.devices)
             for t, device in enumerate(holder.devices):
-                region = shard_region(spec.shape, holder.placements, t, len(holder.devices))
-                holdings.setdefault(device, {})[spec.name] = region
+                key = (spec.shape, holder.placements, t, tp)
+                if key not in regions:
+                    regions[key] = shard_region(spec.shape, holder.placements, t, tp)
+                holdings.setdefault(device, {})[spec.name] = regions[key]
     return holdings
 
 
