@@ -308,7 +308,10 @@ class _Node:
         self.pool.start(welcome.start.devices, welcome.start.faults)
 
     def report(self, message: object) -> None:
-        self.link.send(message)
+        try:
+            self.link.send(message)
+        except OSError:
+            pass  # the controller dropped this node: its next read sees the link closed
         self.sent = time.monotonic()
 
     def _seen(self, message: object) -> None:

@@ -160,16 +160,20 @@ class Controller:
     def _loop(self) -> None:
         tick = time.monotonic()
         while not self.core.over:
-            self._watch_local()
-            for key, events in self.selector.select(timeout=TICK_S):
-                self._on_ready(key.fileobj if key.data is None else key.data, events)
-            self._drain()
+            self._select(TICK_S)
             if time.monotonic() - tick >= TICK_S:
                 tick = time.monotonic()
+                self._select(0.0)  # what arrived while the loop was busy (a long decision) renews leases first
                 self.agent.pool.tick()
                 self._drain()
                 self._handle(Tick())
                 self._expire_arrivals()
+
+    def _select(self, timeout_s: float) -> None:
+        self._watch_local()
+        for key, events in self.selector.select(timeout=timeout_s):
+            self._on_ready(key.fileobj if key.data is None else key.data, events)
+        self._drain()
 
     def _finish(self, *, grace_s: float) -> None:
         """End the job everywhere: every agent stops its workers (waiting ones see the end and leave)."""

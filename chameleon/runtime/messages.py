@@ -395,9 +395,41 @@ def _unpack_plan(packed: list) -> Plan:
                 tuple(Reroute(j, s, tuple(hosts)) for j, s, hosts in reroutes))
 
 
+def _pack_moves(moves) -> list:
+    return [[m.name, [list(r) for r in m.region], m.src, m.dst, m.nbytes] for m in moves]
+
+
+def _unpack_moves(packed: list) -> tuple[Move, ...]:
+    return tuple(Move(name, _region(r), src, dst, nbytes) for name, r, src, dst, nbytes in packed)
+
+
+def _pack_held(held: dict) -> list:
+    return [[d, [[name, [list(r) for r in region]] for name, region in regions.items()]] for d, regions in held.items()]
+
+
+def _unpack_held(packed: list) -> dict:
+    return {d: {name: _region(r) for name, r in regions} for d, regions in packed}
+
+
+def _region(packed: list) -> tuple[tuple[int, int], ...]:
+    return tuple(tuple(r) for r in packed)
+
+
+def _pack_manifest(m: Manifest) -> list:
+    return [_pack_moves(m.local), [_pack_moves(r) for r in m.rounds], _pack_held(m.before), _pack_held(m.after),
+            sorted(m.kept)]
+
+
+def _unpack_manifest(packed: list) -> Manifest:
+    local, rounds, before, after, kept = packed
+    return Manifest(_unpack_moves(local), tuple(_unpack_moves(r) for r in rounds), _unpack_held(before),
+                    _unpack_held(after), frozenset(kept))
+
+
 codec.register_packed(Plan, pack=_pack_plan, unpack=_unpack_plan)
+codec.register_packed(Manifest, pack=_pack_manifest, unpack=_unpack_manifest)
 codec.register(
-    Pipeline, Stage, Reroute, Manifest, Move, Position, FaultSpec, GenerationSpec, CommitOrder,
+    Pipeline, Stage, Reroute, Move, Position, FaultSpec, GenerationSpec, CommitOrder,
     Moves, Publish, Begin, Commit, Flag, End, Standby, Ready, Synced, CheckpointSaved, Failed, Dying, FinalShards, Done,
     Hello, Lease, NodeReady, NodeSynced, NodeSaved, Positions, Exited, Hung,
     Renew, Start, Inject, Noted, Probe, Welcome, Signal, Shutdown,
