@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from chameleon.layout.colouring import dsatur
-from chameleon.layout.memory import MIGRATE_BYTES
+from chameleon.layout.geometry import MIGRATE_BYTES, LostStateError
 from chameleon.layout.plan import Plan, validate_plan
 from chameleon.layout.spec import (
     Layout,
@@ -37,9 +37,6 @@ from chameleon.layout.spec import (
     intersect,
     region_numel,
 )
-
-class LostStateError(RuntimeError):
-    """No survivor holds some region the new layout needs: only a checkpoint can restore it."""
 
 
 @dataclass(frozen=True)

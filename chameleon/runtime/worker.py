@@ -34,14 +34,14 @@ import torch
 
 from chameleon.config import model_config
 from chameleon.data.stream import SampleStream
-from chameleon.layout.colouring import sync_rounds
+from chameleon.layout.geometry import geometry_of, sync_rounds, writers
 from chameleon.layout.plan import Plan
 from chameleon.layout.relayout import Manifest
 from chameleon.layout.schedule import step_actions
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
 from chameleon.runtime.beacon import Beacon
-from chameleon.runtime.checkpoint import CheckpointWriter, checkpoint_root, latest_checkpoint, load_regions, writers
+from chameleon.runtime.checkpoint import CheckpointWriter, checkpoint_root, latest_checkpoint, load_regions
 from chameleon.runtime.comm import ABANDONED, BACKENDS, Generation, PeerFailure, connect_store
 from chameleon.runtime.device import is_device_fault, prepare_device
 from chameleon.runtime.faults import NODE_KINDS, FaultSpec, WorkerFaults, node_firer, typical
@@ -294,8 +294,8 @@ def _run(spec: WorkerSpec, uplink: _Uplink, beacon: Beacon) -> None:
             generation = order.switch_to
             continue
         if order is None and state is not None and cfg["output"]["save_params"]:
-            layout = spec_of(model).layout(model, gen_spec.plan)
-            mine = {n: shard for n, shard in state.shards().items() if me in layout[n].holders[0].devices}
+            written = writers(spec_of(model).layout(model, gen_spec.plan)).get(me, {})
+            mine = {n: shard for n, shard in state.shards().items() if n in written}
             uplink.send(FinalShards(me, generation, mine))
         break
     beacon.at("done")
@@ -305,7 +305,7 @@ def _run(spec: WorkerSpec, uplink: _Uplink, beacon: Beacon) -> None:
 def _group_sets(model: ModelConfig, plan: Plan) -> list[tuple[int, ...]]:
     """Every sync and TP group of ``plan``, in one order all devices share."""
     layout = spec_of(model).layout(model, plan)
-    sets = [g.devices for groups in sync_rounds(layout) for g in groups]
+    sets = [g.devices for groups in sync_rounds(geometry_of(plan), layout) for g in groups]
     sets += [st.devices for pipe in plan.pipelines for st in pipe.stages if st.tp > 1]
     sets.append(tuple(sorted(plan.devices)))  # the global gradient norm's all-reduce
     return sets
@@ -351,7 +351,7 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
         return _idle(gen_spec, gen=gen, control=control, steps=train["steps"], faults=faults)
     role = role_of(plan, me)
     layout = spec_of(model).layout(model, plan)
-    rounds = sync_rounds(layout)
+    rounds = sync_rounds(geometry_of(plan), layout)
     tp = spec_of(model).tp_ops(partial(gen.all_reduce, members=role.spec.devices)) if role.spec.tp > 1 else None
     actions = step_actions(plan)[me]
     saver = _Saver(cfg, layout, gen=gen, uplink=uplink, run_dir=run_dir)
