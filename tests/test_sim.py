@@ -191,3 +191,40 @@ def test_cli_multirun_and_sweep_table(tmp_path):
     out = subprocess.run([sys.executable, "-m", "chameleon.sim.report", str(tmp_path)], capture_output=True, text=True, env=ENV)
     rows = [line for line in out.stdout.splitlines() if "trace.interval_s=" in line]
     assert len(rows) == 4 and "| chameleon |" in rows[0]
+
+
+@pytest.mark.parametrize(("dp", "pp", "tp", "failed"), [(2, 2, 2, {3, 6}), (2, 1, 4, {1, 6}), (2, 1, 3, {2, 3})])
+def test_the_simulator_makes_the_runtimes_call_when_shards_of_two_replicas_survive(dp, pp, tp, failed):
+    """The cases the fault tests run for real (tests/test_faults.py, tests/test_multinode.py): every stage replica of
+    some layers lost a device, each shard lives on somewhere. The simulated Chameleon and the runtime's coordinator
+    see the same truth (nothing lost, the survivors regrouped) and, given the same precomputed plan, decide alike."""
+    from chameleon.decision.config import ClusterConfig, PolicyConfig
+    from chameleon.decision.planner import Planner
+    from chameleon.decision.profiler import analytic_profile
+    from chameleon.layout.plan import even_plan
+    from chameleon.model.config import ModelConfig
+    from chameleon.runtime.coordinator import Coordinator
+    from chameleon.sim.config import SimConfig
+    from chameleon.sim.engine import Setup, make_policy
+    from chameleon.sim.policies import Fault
+
+    model = ModelConfig(dim=48, n_layers=6, n_heads=12, n_kv_heads=12, vocab_size=256)
+    cluster = ClusterConfig(name="test", kind="analytic", n_devices=8, devices_per_node=8, peak_tflops=1.0,
+                            memory_gb=1.0, hbm_gbps=100.0, intra_gbps=10.0, inter_gbps=1.0)
+    profile = analytic_profile(model, cluster, micro_batch=1, seq_len=64, tp=tp)
+    policy = PolicyConfig(fixed_d_s=3600.0)
+    plan = even_plan(dp=dp, pp=pp, tp=tp, n_layers=6, global_batch=8, micro_batch=1)
+    assert geometry_of(plan).lost(failed) == ()
+    setup = Setup(Planning(profile, policy), plan, plan, policy, SimConfig(), mtbf_s=3600.0, n_devices=len(plan.devices))
+    simulated = make_policy("chameleon", setup).on_fault(plan, Fault(100.0, frozenset(failed), frozenset(failed), (), 1e9))
+    alive = set(plan.devices) - failed
+    units = geometry_of(plan).units(alive)
+    precomputed = setup.planning.best(units, n_micro=plan.n_micro_batches, micro_batch_size=1, previous=plan)
+    coordinator = Coordinator(model=model, profile=profile, planner=setup.planning.planner, policy=policy)
+    real = coordinator.recover(plan, alive=alive, next_step=3, saved=None, now=100.0, fault_times=[], elapsed_s=100.0,
+                               precomputed=precomputed)
+    assert simulated.choice == real.decision.choice in {"dynamic", "redundant"}
+    assert simulated.plan == real.plan and real.manifest is not None
+    seat = geometry_of(plan).seat
+    rebuilt = [u for u in units if len({seat[d][0] for d in u}) > 1]  # one unit of shards of two replicas
+    assert len(rebuilt) == 1 and (pp > 1 or real.plan.devices == rebuilt[0])
