@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import cache, cached_property, lru_cache
 from typing import NamedTuple
 
 from chameleon.layout.colouring import SyncGroup, conflict_colours
@@ -147,7 +147,6 @@ class Geometry:
 
     Attributes:
         stages: the plan's stages that have devices, in pipeline-then-stage order.
-        seat: every device of the plan → ``(stage id, TP index)``.
         buckets: the sync buckets, in model order of their first unit.
         rounds: bucket ids of the buckets held by ≥ 2 stages, coloured into rounds of stage-disjoint ones.
         width: the plan's TP size (the widest stage).
@@ -161,7 +160,6 @@ class Geometry:
         live = [(st, s == 0, s == p.n_stages - 1) for p in plan.pipelines for s, st in enumerate(p.stages) if st.devices]
         self.stages: tuple[Stage, ...] = tuple(st for st, _, _ in live)
         self._units = [(st.layers[0] - first, st.layers[1] + last) for st, first, last in live]
-        self.seat = {d: (k, t) for k, st in enumerate(self.stages) for t, d in enumerate(st.devices)}
         self.width = max((st.tp for st in self.stages), default=1)
         held_by: list[list[int]] = [[] for _ in range(plan.n_layers + 2)]  # unit u at index u + 1
         for k, (lo, hi) in enumerate(self._units):
@@ -187,6 +185,11 @@ class Geometry:
 
     # ----- who holds what ---------------------------------------------------------------
 
+    @cached_property
+    def seat(self) -> dict[int, tuple[int, int]]:
+        """Every device of the plan → ``(stage id, TP index)``."""
+        return {d: (k, t) for k, st in enumerate(self.stages) for t, d in enumerate(st.devices)}
+
     def holding(self, device: int) -> Holding | None:
         """What ``device`` holds under the plan (None: it holds nothing)."""
         if device not in self.seat:
@@ -205,7 +208,8 @@ class Geometry:
     def elems(self, bucket: int, params: UnitParams) -> float:
         """Elements of ``bucket`` one device of its stages holds (its gradient all-reduce's size)."""
         b = self.buckets[bucket]
-        return sum(params.of(u, self.n_layers) / (b.tp if 0 <= u < self.n_layers else 1) for u in b.units)
+        layers = sum(0 <= u < self.n_layers for u in b.units)
+        return per_device(params, layers, first=EMBEDDING in b.units, last=self.n_layers in b.units, tp=b.tp)
 
     # ----- faults -----------------------------------------------------------------------
 
@@ -321,7 +325,7 @@ class Geometry:
         return out
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=64)
 def geometry_of(plan: Plan) -> Geometry:
     """The :class:`Geometry` of ``plan``, built once and cached."""
     return Geometry(plan)
