@@ -319,13 +319,13 @@ class Planner:
     def _round_params(self, splits: tuple[Split, ...]) -> tuple[float, ...]:
         """Largest bucket (elements per device) of each coloured sync round when pipelines of ``splits`` coexist.
 
-        They are the rounds of the geometry of a plan holding each split twice (sync
-        needs two pipelines; a second copy conflicts where the first does), on
-        placeholder devices.
+        They are the rounds of the geometry of a plan holding each split once, on
+        placeholder devices; a lone split twice, as a sync needs two holders (a second
+        copy conflicts where the first does).
         """
-        ids, tp = itertools.count(), self.profile.tp
+        ids, tp, copies = itertools.count(), self.profile.tp, 2 if len(splits) == 1 else 1
         pipes = tuple(Pipeline(tuple(Stage(tuple(itertools.islice(ids, tp)), b) for b in sp.bounds()), 1)
-                      for sp in splits for _ in range(2))
+                      for sp in splits for _ in range(copies))
         g = Geometry(Plan(n_layers=self.profile.n_layers, micro_batch_size=1, pipelines=pipes))
         return tuple(max(g.elems(b, self.profile.units) for b in r) for r in g.rounds)
 
