@@ -44,7 +44,7 @@ from scipy.optimize import linprog
 
 from chameleon.decision import estimator as est
 from chameleon.decision.profiler import Profile
-from chameleon.layout.geometry import Geometry, geometry_of
+from chameleon.layout.geometry import Geometry, coverage, geometry_of
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage
 
 _EPS = 1e-12
@@ -502,12 +502,14 @@ def place(plan: Plan, previous: Plan, profile: Profile) -> Plan:
     so it is a transportation problem between those classes (an LP whose vertices are
     integral): the same optimum, in time independent of the device count.
     """
-    old, new = geometry_of(previous), Geometry(plan)
+    old, new, n = geometry_of(previous), Geometry(plan), plan.n_layers
     groups = [st.devices for st in new.stages]
-    need_kinds, slot_kind = _classes([new.holdings(k) for k in range(len(groups))])
+    need_kinds, slot_kind = _classes([new.holding(g[0]) for g in groups])  # shard 0's: every shard needs as much
     have_kinds, group_kind = _classes([tuple(map(old.holding, g)) for g in groups])
-    cost = np.array([[sum(need.lacks(have, profile.units, plan.n_layers)[0] for need, have in zip(needs, haves, strict=True))
-                      * profile.state.moved for haves in have_kinds] for needs in need_kinds])
+    need = np.array([h.sizes(profile.units, n) for h in need_kinds])
+    # per group kind and unit: the shares of the slot's shards its devices hold (device t: shard t)
+    held = np.array([sum(coverage(have, t, len(haves), n) for t, have in enumerate(haves)) for haves in have_kinds])
+    cost = need @ (new.width - held).T * profile.state.moved
     flow = _transport(cost, np.bincount(slot_kind), np.bincount(group_kind))
     slots_of = [iter(np.flatnonzero(slot_kind == a).tolist()) for a in range(len(need_kinds))]
     groups_of = [iter(np.flatnonzero(group_kind == b).tolist()) for b in range(len(have_kinds))]

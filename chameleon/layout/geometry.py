@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from functools import cache, cached_property, lru_cache
 from typing import NamedTuple
 
+import numpy as np
+
 from chameleon.layout.colouring import SyncGroup, conflict_colours
 from chameleon.layout.plan import Plan, Stage
 from chameleon.layout.spec import Layout, Region, region_numel, shard_region
@@ -111,19 +113,34 @@ class Holding(NamedTuple):
     shard: int
     tp: int
 
+    def sizes(self, params: UnitParams, n_layers: int) -> np.ndarray:
+        """Elements held of each model unit (index ``u + 1``): a ``1/tp`` shard of a layer, the embedding or head whole."""
+        out = np.zeros(n_layers + 2)
+        out[self.lo + 1:self.hi + 1] = params.layer / self.tp
+        for end, size in ((EMBEDDING, params.first), (n_layers, params.last)):
+            if self.lo <= end < self.hi:
+                out[end + 1] = size
+        return out
+
     def lacks(self, have: Holding | None, params: UnitParams, n_layers: int) -> tuple[float, int]:
         """Elements of this holding that a device holding ``have`` (None: nothing) lacks, and in how many units."""
-        layers = min(self.hi, n_layers) - max(self.lo, 0)
-        ends = [u for u in (EMBEDDING, n_layers) if self.lo <= u < self.hi and (have is None or not have.lo <= u < have.hi)]
-        common, covered = 0, 0.0
-        if have is not None:
-            common = max(0, min(self.hi, have.hi, n_layers) - max(self.lo, have.lo, 0))
-            lo = max(self.shard / self.tp, have.shard / have.tp)
-            hi = min((self.shard + 1) / self.tp, (have.shard + 1) / have.tp)
-            covered = max(0.0, hi - lo) * self.tp  # the share of this layer shard that have's shard covers
-        missing = layers - common * covered
-        elems = missing * params.layer / self.tp + sum(params.of(u, n_layers) for u in ends)
-        return elems, layers - common + (common if covered < 1 - 1e-12 else 0) + len(ends)
+        mask = np.zeros(n_layers + 2)
+        mask[self.lo + 1:self.hi + 1] = 1
+        uncovered = mask * (1 - coverage(have, self.shard, self.tp, n_layers))
+        return float(self.sizes(params, n_layers) @ uncovered), int(np.count_nonzero(uncovered > 1e-12))
+
+
+@lru_cache(maxsize=4096)
+def coverage(have: Holding | None, shard: int, tp: int, n_layers: int) -> np.ndarray:
+    """Per model unit (index ``u + 1``), the share of what device ``shard`` of a ``tp``-wide stage holds of it that a
+    device holding ``have`` (None: nothing) holds too: its layers' shards' overlap, 1 for an embedding or head."""
+    out = np.zeros(n_layers + 2)
+    if have is not None:
+        out[have.lo + 1:have.hi + 1] = 1.0
+        lo, hi = max(shard / tp, have.shard / have.tp), min((shard + 1) / tp, (have.shard + 1) / have.tp)
+        out[max(have.lo, 0) + 1:min(have.hi, n_layers) + 1] = max(0.0, hi - lo) * tp
+    out.flags.writeable = False
+    return out
 
 
 @dataclass(frozen=True)
