@@ -41,9 +41,10 @@ class Profile:
     Times are seconds per micro-batch; ``*_params`` are whole (unsharded) element
     counts; activation bytes are what autograd keeps per micro-batch until backward.
     ``dtype`` is the compute dtype: every byte count of the training state follows
-    from it (:attr:`state`). Bandwidths are bytes/s. ``host_cores`` is set for CPU devices (worker processes),
-    which time-share their node's cores with each other and with ``background_procs``
-    busy processes of other jobs. Compute times are CPU times: what an op costs on a core of its own.
+    from it (:attr:`state`). Bandwidths are bytes/s. ``host_cores`` is set for CPU
+    devices (worker processes), which time-share their node's cores with each other
+    and with ``background_procs`` busy processes of other jobs. Compute times are CPU
+    times: what an op costs on a core of its own.
     """
 
     key: str

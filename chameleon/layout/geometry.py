@@ -21,7 +21,9 @@ the share of fault domains that would lose one, the survivors regrouped into sta
 units, each device's holding and the elements it lacks from an older plan, the sync
 buckets and rounds; the runtime's tensor-level sync groups (:func:`sync_rounds`) and
 checkpoint writers (:func:`writers`) are projections of it. Bytes per element come
-from one table, :class:`StateBytes`. Pure functions; nothing touches a process.
+from one table, :class:`StateBytes`. Holders and losses are exact (tested against
+the layouts' shards); element counts treat a layer's small replicated tensors (its
+norms) as sharded, as the memory model does. Pure functions; nothing touches a process.
 """
 
 from __future__ import annotations
@@ -213,10 +215,6 @@ class Geometry:
             return None
         k, t = self.seat[device]
         return Holding(*self._units[k], t, self.stages[k].tp)
-
-    def holdings(self, stage: int) -> tuple[Holding, ...]:
-        """What each device of stage ``stage`` (an id into :attr:`stages`) holds, by TP index."""
-        return tuple(Holding(*self._units[stage], t, self.stages[stage].tp) for t in range(self.stages[stage].tp))
 
     def holders(self, part: Part) -> tuple[int, ...]:
         """The devices holding ``part``."""

@@ -17,8 +17,8 @@ On disk, under ``root``::
 
 Each tensor is stored exactly once: one device per distinct shard of the first
 holder (:func:`chameleon.layout.geometry.writers`), so the stored regions tile
-every tensor. A loader asks for any regions (any TP degree, any pipeline split) and :func:`load_regions`
-assembles each one from the stored shards it intersects.
+every tensor. A loader asks for any regions (any TP degree, any pipeline split)
+and :func:`load_regions` assembles each one from the stored shards it intersects.
 
 Every file is written to a temporary name, fsynced and renamed into place, so a
 file is either whole or absent. File names carry the writer's generation, so a
