@@ -4,15 +4,16 @@ Usage::
 
     python benchmarks/chaos.py [--seeds 100] [--first-seed 0] [--steps 40] [--mtbf 1.5] [--quick]
 
-Each seed trains the same model on 8 workers, checkpoints every 2 steps, in one of three
-layouts taken in turn — dp2 × pp4, dp2 × pp2 × tp2 and dp2 × tp4 — with ``failure=random``:
-up to three faults, each a SIGKILL or a SIGSTOP of a uniformly drawn worker, at
-exponentially spaced moments after training starts — wherever the victim is, a recovery
-included. With TP, two faults often break every replica of a stage while each of its
+Each seed trains the tiny model on 8 workers, checkpoints every 2 steps, in one of three
+layouts taken in turn — dp2 × pp4, dp2 × pp2 × tp2 and dp2 × tp4 (its model with 4 KV heads) —
+with ``failure=random``: up to three faults, each a SIGKILL or a SIGSTOP of a uniformly drawn
+worker, at exponentially spaced moments after training starts — wherever the victim is, a
+recovery included. With TP, two faults often break every replica of a stage while each of its
 shards lives on somewhere: the stage is rebuilt from the shards of different replicas.
 Every run is checked against the failure-free run of its layout with the oracle of
 ``chameleon/report/compare.py`` (same samples at every step, losses and parameters
-within the measured drift between failure-free layouts), for processes left behind, and
+within the measured drift between its failure-free run and those of other layouts of its
+TP size, which its recoveries may reach), for processes left behind, and
 against a wall-clock bound (a run past it is a hang). A run that stops because some
 region of the state lost its every holder before the first checkpoint must say so in its
 last line. ``--quick`` (3 seeds on 4 workers, dp2 × pp2 and dp2 × tp2, 30 steps, a fault every
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import subprocess
@@ -40,16 +42,26 @@ from _processes import lingering
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-MODEL = ("model.dim=64", "model.n_layers=8", "model.n_kv_heads=4", "train.global_batch=16", "train.micro_batch=2",
-         "train.seq_len=32", "report.plots=false", "output.progress=false")
+MODEL = ("model.dim=64", "model.n_layers=8", "train.global_batch=16", "train.micro_batch=2", "train.seq_len=32",
+         "report.plots=false", "output.progress=false")
+
+
+def layout(nproc: int, dp: int, pp: int, tp: int = 1) -> tuple[str, ...]:
+    """The overrides of a layout; TP 4 needs 4 KV heads (the model has 2 otherwise)."""
+    heads = ("model.n_kv_heads=4",) if tp == 4 else ()
+    return (f"launcher.nproc_per_node={nproc}", f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}", *heads)
+
+
+# Each seed's layout, and failure-free layouts of its TP size (re-plans keep TP groups whole) that its recoveries
+# may reach: the drift between those and its own failure-free run is its noise floor.
 LAYOUTS = {
-    "dp2×pp4": ("launcher.nproc_per_node=8", "parallel.dp=2", "parallel.pp=4"),
-    "dp2×pp2×tp2": ("launcher.nproc_per_node=8", "parallel.dp=2", "parallel.pp=2", "parallel.tp=2"),
-    "dp2×tp4": ("launcher.nproc_per_node=8", "parallel.dp=2", "parallel.pp=1", "parallel.tp=4"),
+    "dp2×pp4": (layout(8, 2, 4), [layout(1, 1, 1), layout(8, 4, 2), layout(8, 8, 1)]),
+    "dp2×pp2×tp2": (layout(8, 2, 2, 2), [layout(2, 1, 1, 2), layout(8, 4, 1, 2), layout(8, 1, 4, 2)]),
+    "dp2×tp4": (layout(8, 2, 1, 4), [layout(4, 1, 1, 4), layout(8, 1, 2, 4)]),
 }
 QUICK_LAYOUTS = {
-    "dp2×pp2": ("launcher.nproc_per_node=4", "parallel.dp=2", "parallel.pp=2"),
-    "dp2×tp2": ("launcher.nproc_per_node=4", "parallel.dp=2", "parallel.pp=1", "parallel.tp=2"),
+    "dp2×pp2": (layout(4, 2, 2), [layout(1, 1, 1)]),
+    "dp2×tp2": (layout(4, 2, 1, 2), [layout(2, 1, 1, 2)]),
 }
 RECOVERY_PHASES = {"standby", "rebuild", "transfer", "ready"}
 
@@ -91,40 +103,37 @@ def main() -> None:
                         help="3 seeds, 4 workers (dp2 × pp2, dp2 × tp2), 30 steps, mtbf 1 s")
     args = parser.parse_args()
     layouts = QUICK_LAYOUTS if args.quick else LAYOUTS
-    others = [("parallel=dp", "launcher.nproc_per_node=1")] if args.quick else \
-        [("parallel=dp", "launcher.nproc_per_node=1"), ("launcher.nproc_per_node=8", "parallel.dp=4", "parallel.pp=2"),
-         ("launcher.nproc_per_node=8", "parallel=dp")]
     seeds = range(args.first_seed, args.first_seed + (3 if args.quick else args.seeds))
     steps = (f"train.steps={30 if args.quick else args.steps}",)
     mtbf = 1.0 if args.quick else args.mtbf
     header()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        references, others_out = {}, []
-        for i, (name, layout) in enumerate(layouts.items()):  # each layout's failure-free run: its seeds' oracle
-            proc, _ = train(root / f"reference{i}", *steps, *layout, "failure=none", "ckpt=none", timeout=args.timeout)
+        runs = itertools.count()
+
+        def failure_free(overrides: tuple[str, ...]) -> tuple[dict, dict]:
+            run_dir = root / f"failure-free{next(runs)}"
+            proc, _ = train(run_dir, *steps, *overrides, "failure=none", "ckpt=none", timeout=args.timeout)
             assert proc is not None and proc.returncode == 0, proc and proc.stderr
-            references[name] = outputs(root / f"reference{i}")
-        for i, other in enumerate(others):
-            proc, _ = train(root / f"other{i}", *steps, *other, "failure=none", "ckpt=none", timeout=args.timeout)
-            assert proc is not None and proc.returncode == 0, proc and proc.stderr
-            others_out.append(outputs(root / f"other{i}"))
-        drift = Drift()  # between every layout's failure-free run and every other failure-free run
-        for name, ref in references.items():
-            for run in [r for n, r in references.items() if n != name] + others_out:
-                d = Drift.between(*run, *ref)
-                drift = Drift(max(drift.loss, d.loss), max(drift.params, d.params))
-        print(f"noise floor (failure-free layouts {', '.join([*layouts, *(' '.join(o) for o in others)])}, pairwise): "
-              f"losses {drift.loss:.1e}, parameters {drift.params:.1e} → bounds {drift.loss_tolerance:.1e} / "
-              f"{drift.param_tolerance:.1e}\n", flush=True)
+            return outputs(run_dir)
+
+        references, floors = {}, {}
+        for name, (overrides, others) in layouts.items():
+            references[name] = failure_free(overrides)
+            drifts = [Drift.between(*failure_free(other), *references[name]) for other in others]
+            floors[name] = Drift(max(d.loss for d in drifts), max(d.params for d in drifts))
+            print(f"noise floor of {name} (its failure-free run vs {'; '.join(' '.join(o) for o in others)}): "
+                  f"losses {floors[name].loss:.1e}, parameters {floors[name].params:.1e} → bounds "
+                  f"{floors[name].loss_tolerance:.1e} / {floors[name].param_tolerance:.1e}", flush=True)
+        print()
         tally, where, problems = collections.Counter(), collections.Counter(), []
         by_layout: dict[str, collections.Counter] = {name: collections.Counter() for name in layouts}
         for seed in seeds:
             name = list(layouts)[seed % len(layouts)]
-            layout, (ref_summary, ref_params) = layouts[name], references[name]
+            (overrides, _), (ref_summary, ref_params) = layouts[name], references[name]
             run_dir = root / f"seed{seed}"
             started = time.monotonic()
-            proc, session = train(run_dir, *steps, *layout, "failure=random", "failure.kinds=[kill,hang]",
+            proc, session = train(run_dir, *steps, *overrides, "failure=random", "failure.kinds=[kill,hang]",
                                   f"failure.mtbf_s={mtbf}", "failure.max_faults=3", f"failure.seed={seed}",
                                   "ckpt.interval=2", timeout=args.timeout)
             wall = time.monotonic() - started
@@ -147,7 +156,7 @@ def main() -> None:
                 problems.append(f"seed {seed}: no end within {args.timeout:.0f} s")
             elif proc.returncode == 0:
                 summary, params = outputs(run_dir)
-                wrong = mismatches(summary, params, ref_summary, ref_params, drift=drift)
+                wrong = mismatches(summary, params, ref_summary, ref_params, drift=floors[name])
                 outcome = "mismatch" if wrong else "trained"
                 seen["faults survived"] += len(summary["recoveries"])
                 if wrong:
