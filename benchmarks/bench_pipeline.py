@@ -35,7 +35,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from chameleon.config import TrainConfig
 from chameleon.data.stream import SampleStream, micro_batch_samples
-from chameleon.layout.colouring import sync_rounds
+from chameleon.layout.geometry import geometry_of, sync_rounds
 from chameleon.layout.plan import Plan, even_plan, micro_batch_ranges
 from chameleon.layout.schedule import step_actions
 from chameleon.model.config import ModelConfig
@@ -115,7 +115,7 @@ def _worker(rank: int, world: int, store, model: ModelConfig, train: dict, plan:
 
     # Ours: the worker's data path over one Generation.
     layout = spec.layout(model, plan)
-    rounds = sync_rounds(layout)
+    rounds = sync_rounds(geometry_of(plan), layout)
     gen = Generation(connect_store=partial(connect_store, HOST, store.port, timeout_s=TIMEOUT_S), generation=0,
                      me=rank, backend="gloo", timeout_s=TIMEOUT_S,
                      groups=plan_groups(model, GenerationSpec(0, plan, plan.devices, 0)))

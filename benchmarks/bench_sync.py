@@ -6,7 +6,7 @@ Run: ``python benchmarks/bench_sync.py [--plans 3+4 2+3] [--dims 128 512] [--rou
 ``split_layers`` does). Every worker holds its stage's parameters of the real model
 (8 layers) with random gradients, in real gloo processes over one :class:`Generation`:
 
-- **coloured**: ``sync_gradients`` over ``sync_rounds(layout)`` — what the runtime
+- **coloured**: ``sync_gradients`` over ``sync_rounds(geometry, layout)`` — what the runtime
   runs: tensors with the same holder set share one flat bucket, buckets are coloured
   into rounds of device-disjoint all-reduces.
 - **per layer**: for the embedding, each layer, then the final norm and the output
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from _common import HOST, TIMEOUT_S, Timings, compare, header, launch, timed
 
 from chameleon.config import TrainConfig
-from chameleon.layout.colouring import sync_groups, sync_rounds
+from chameleon.layout.geometry import geometry_of, sync_rounds
 from chameleon.layout.plan import Plan, plan_from_spec, split_layers
 from chameleon.layout.spec import Layout
 from chameleon.model.config import ModelConfig
@@ -52,7 +52,7 @@ def layer_units(layout: Layout) -> list[tuple[tuple[int, ...], tuple[str, ...]]]
 def _worker(rank: int, world: int, store, model: ModelConfig, plan: Plan, args) -> dict:
     dist.init_process_group("gloo", store=dist.PrefixStore("barrier", store), rank=rank, world_size=world)
     layout = spec_of(model).layout(model, plan)
-    rounds = sync_rounds(layout)
+    rounds = sync_rounds(geometry_of(plan), layout)
     units = layer_units(layout)
     gen = Generation(connect_store=partial(connect_store, HOST, store.port, timeout_s=TIMEOUT_S), generation=0,
                      me=rank, backend="gloo", timeout_s=TIMEOUT_S,
@@ -122,7 +122,8 @@ def main() -> None:
         for dim in args.dims:
             model = ModelConfig(dim=dim, n_layers=args.n_layers, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
             layout = spec_of(model).layout(model, plan)
-            n_groups, n_rounds = len(sync_groups(layout)), len(sync_rounds(layout))
+            rounds = sync_rounds(geometry_of(plan), layout)
+            n_groups, n_rounds = sum(map(len, rounds)), len(rounds)
             n_units = sum(len(d) > 1 for d, _ in layer_units(layout))
             out = launch(_worker, world, model, plan, args)
             wall, cpu, blocks = compare([r["times"] for r in out], "coloured", "per layer")

@@ -31,12 +31,13 @@ from chameleon import cli
 from chameleon.config import CONF_DIR, ConfigError, build_plan, model_config, register_configs, typed
 from chameleon.decision.config import ClusterConfig, PolicyConfig
 from chameleon.decision.profiler import load_profile
+from chameleon.layout.geometry import tp_units
 from chameleon.layout.plan import Plan
 from chameleon.report.outputs import write_json
 from chameleon.sim import report
 from chameleon.sim.config import POLICIES, SimConfig, TraceConfig
 from chameleon.sim.engine import RunResult, Setup, simulate
-from chameleon.sim.policies import Planning, units_of
+from chameleon.sim.policies import Planning
 from chameleon.sim.traces import Event, build_trace, node_devices, nominal_mtbf_s, read_csv
 
 USAGE = """
@@ -112,7 +113,7 @@ def prepare(cfg: DictConfig) -> tuple[Setup, tuple[Event, ...], float, SimConfig
     cluster, policy = typed(cfg, "cluster", ClusterConfig), typed(cfg, "policy", PolicyConfig)
     profile = load_profile(model_config(cfg), cluster, micro_batch=cfg.train.micro_batch, seq_len=cfg.train.seq_len, tp=cfg.parallel.tp)
     planning = Planning(profile, policy)
-    units = units_of(range(cluster.n_devices), cfg.parallel.tp)
+    units = tp_units(range(cluster.n_devices), cfg.parallel.tp)
     n_micro = cfg.train.global_batch // cfg.train.micro_batch
     reference = reference_plan(planning, units, n_micro=n_micro, micro_batch_size=cfg.train.micro_batch, idle=sim.reference_idle)
     if sim.initial == "planner":

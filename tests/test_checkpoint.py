@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from chameleon.layout.geometry import LostStateError, writers
 from chameleon.layout.plan import Pipeline, Plan, Stage, even_plan, plan_from_spec
-from chameleon.layout.relayout import LostStateError
 from chameleon.layout.spec import Layout, TensorSpec, device_holdings, layout_of
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import TP_RULES, param_shapes, stage_param_names
@@ -23,7 +23,6 @@ from chameleon.runtime.checkpoint import (
     latest_checkpoint,
     load_regions,
     step_dir,
-    writers,
 )
 
 CFG = ModelConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16)

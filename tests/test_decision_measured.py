@@ -53,8 +53,8 @@ def test_a_layout_measured_faster_wins_a_growth_the_estimate_would_decline():
     t_half = est.estimate_step(prof, half).t_step
     assert est.estimate_step(prof, full).t_step > t_half
     kw = dict(policy=PolicyConfig(fixed_d_s=3600.0), planner=Planner(prof))
-    assert decide_growth(prof, half, [(2,), (3,)], **kw).choice == "stay"
+    assert decide_growth(prof, half, {2, 3}, **kw).choice == "stay"
     measured = Measured.of([(full, [t_half / 2] * MIN_STEPS), (half, [t_half] * MIN_STEPS)], half, t_half)
-    grown = decide_growth(prof, half, [(2,), (3,)], measured=measured, **kw)
+    grown = decide_growth(prof, half, {2, 3}, measured=measured, **kw)
     assert grown.choice == "grow" and grown.chosen.plan == full
     assert grown.chosen.t_step == pytest.approx(t_half / 2)

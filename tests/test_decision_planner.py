@@ -9,7 +9,8 @@ import random
 import pytest
 
 from chameleon.decision import estimator as est
-from chameleon.decision.planner import Planner, place, precompute, stage_units
+from chameleon.decision.planner import Planner, place, precompute
+from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage, even_plan, validate_plan
 from tests.test_decision_estimator import tiny_profile
 
@@ -110,10 +111,10 @@ def test_precomputed_shapes_serve_any_fault_that_leaves_as_many_units():
     table = precompute(plan, planner, {1, 4})
     assert sorted(table.shapes) == [4, 7]
     for dead in ({3}, {4, 5, 6, 7}):
-        units = stage_units(plan, dead)
+        units = geometry_of(plan).units(set(range(8)) - dead)
         new = table.plan_for(units, plan, prof)
         validate_plan(new)
         assert sorted(new.devices) == sorted(d for d in range(8) if d not in dead)
         searched = place(planner.choose(units, n_micro=16, micro_batch_size=1), plan, prof)
         assert est.estimate_step(prof, new).t_step == pytest.approx(est.estimate_step(prof, searched).t_step)
-    assert table.plan_for(stage_units(plan, {0, 1}), plan, prof) is None, "six units left: not searched"
+    assert table.plan_for(geometry_of(plan).units(range(2, 8)), plan, prof) is None, "six units left: not searched"

@@ -196,11 +196,51 @@ def test_tensor_parallel_stage_lost(tmp_path, reference):
     assert got["recoveries"][0]["failed_ranks"] == [3]
 
 
+# A stage whose every replica lost a device, but whose every TP shard lives on in some replica: no checkpoint exists,
+# nothing is lost, and the shards of different replicas rebuild it (chameleon/layout/geometry.py).
+SHARDS_ON_TWO_REPLICAS = {
+    # dp2 × pp2 × tp2 (pipe0 = 0,1 | 2,3; pipe1 = 4,5 | 6,7): device 6 (stage 1, shard 0 of pipeline 1) dies in step 3's
+    # gradient sync, device 3 (stage 1, shard 1 of pipeline 0) as the recovery starts; shard 0 lives on device 2,
+    # shard 1 on device 7.
+    "tp2": (("launcher.nproc_per_node=8", "parallel.dp=2", "parallel.pp=2", "parallel.tp=2"), 6, 3),
+    # dp2 × tp4 (pipe0 = 0..3, pipe1 = 4..7): shard 1 of pipeline 0 and shard 2 of pipeline 1 die; devices 0, 5, 2, 3
+    # still hold shards 0, 1, 2, 3.
+    "tp4": (("launcher.nproc_per_node=8", "parallel.dp=2", "parallel.tp=4"), 1, 6),
+}
+
+
+@pytest.fixture(scope="module")
+def reference_kv4(tmp_path_factory):
+    """The single-process reference of the model with 4 KV heads (TP 4 needs them)."""
+    run = run_entry("train", tmp_path_factory.mktemp("ref") / "run", *MODEL, "model.n_kv_heads=4",
+                    "launcher.nproc_per_node=1", "failure=none")
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+@pytest.mark.parametrize("case", SHARDS_ON_TWO_REPLICAS)
+def test_a_stage_is_rebuilt_from_the_shards_of_two_replicas(tmp_path, request, case):
+    layout, first, second = SHARDS_ON_TWO_REPLICAS[case]
+    model = ("model.n_kv_heads=4",) if case == "tp4" else ()
+    reference = request.getfixturevalue("reference_kv4" if case == "tp4" else "reference")
+    run = run_entry("train", tmp_path / "run", *MODEL, *model, *layout,
+                    *fail_at((first, 3, "sync"), (second, 3, "recovery")))
+    got = assert_recovered(run, reference)
+    (recovery,) = got["recoveries"]
+    assert recovery["failed_ranks"] == sorted((first, second)) and "during recovery" in recovery["cause"]
+    assert recovery["chosen"] in {"dynamic", "redundant"}  # in memory: no checkpoint exists
+    events = [json.loads(x) for x in (run.run_dir / "events.jsonl").read_text().splitlines()]
+    last = [e for e in events if e["event"] == "fault"][-1]["decision"]
+    assert not any("no survivor holds" in c["why"] for c in last["candidates"])
+
+
 def test_without_replica_or_checkpoint_the_run_stops_clearly(tmp_path):
     run = run_entry("train", tmp_path / "run", *MODEL, "launcher.nproc_per_node=2", "parallel.dp=1", "parallel.pp=2",
                     *fail_at((1, 2, "forward")))
     assert run.returncode == 1
-    assert "no recovery is possible" in run.stderr and "no checkpoint exists" in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert "no recovery is possible after losing devices [1]" in last and "no checkpoint exists" in last
+    assert "no survivor holds layers 3–5 and the head" in last  # exactly what is lost: stage 1 of the one pipeline
     assert not run.leftover_workers()
 
 

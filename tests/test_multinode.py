@@ -112,6 +112,28 @@ def test_a_node_killed_during_a_recovery(tmp_path, short_reference):
     assert recovery["failed_ranks"] == [0, 4, 5] and "during recovery" in recovery["cause"]
 
 
+# Two pipelines of one TP-3 stage over three 2-device nodes: (0, 1, 2) and (3, 4, 5). Node 1 takes shard 2 of the
+# first and shard 0 of the second: no stage replica is whole, yet device 0 holds shard 0, devices 1 and 4 shard 1
+# and device 5 shard 2, so nothing is lost and no checkpoint is needed.
+HEADS3 = ("model.dim=48", "model.n_heads=3", "model.n_kv_heads=3", "model.multiple_of=48")
+TP3 = ("parallel.dp=2", "parallel.pp=1", "parallel.tp=3")
+
+
+def test_a_node_with_a_shard_of_every_replica_lost_rebuilds_the_stage_from_the_rest(tmp_path, tmp_path_factory):
+    runs = [run_entry("train", tmp_path_factory.mktemp("ref") / "run", *JOB, *SHORT, *HEADS3, *layout, "failure=none")
+            for layout in (("launcher.nproc_per_node=6", *TP3), ("parallel=dp", "launcher.nproc_per_node=1"))]
+    for ref in runs:
+        assert ref.returncode == 0, ref.stderr
+    cluster = Cluster(tmp_path, *SHORT, *HEADS3, *TP3, "failure=node_kill", "failure.node=1", "failure.step=3",
+                      "failure.phase=backward")
+    run = cluster.train()
+    drift = Drift.between(runs[0].summary, runs[0].params, runs[1].summary, runs[1].params)
+    got = assert_clean(cluster, run, (runs[0], drift))
+    (recovery,) = got["recoveries"]
+    assert recovery["failed_ranks"] == [2, 3] and recovery["chosen"] == "dynamic"
+    assert "on 0,1,5" in got["plan"]  # a TP group of devices on nodes 0 and 2, each holding its shard
+
+
 def test_a_stopped_agent_is_fenced_and_its_node_rejoins(tmp_path, long_reference):
     """SIGSTOP of node 2's agent (a partition): its lease lapses, the job recovers without it; resumed, the agent
     finds its lease lapsed, kills its own workers, registers again, and the job grows back onto its devices."""

@@ -15,8 +15,8 @@ from chameleon.layout.plan import Pipeline, Plan, Stage, even_plan, plan_from_sp
 from chameleon.decision.config import ClusterConfig
 from chameleon.decision.planner import place
 from chameleon.decision.profiler import analytic_profile
-from chameleon.layout.memory import MIGRATE_BYTES
-from chameleon.layout.relayout import LostStateError, Manifest, relabel_plan, relayout
+from chameleon.layout.geometry import MIGRATE_BYTES, LostStateError
+from chameleon.layout.relayout import Manifest, relabel_plan, relayout
 from chameleon.layout.spec import Layout, device_holdings, layout_of, local_slices, region_shape
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import TP_RULES, param_shapes, stage_param_names
@@ -153,6 +153,14 @@ PLACEMENTS = {  # scenarios whose new plan keeps the old TP groups, as the plann
         (4, 5, 2, 3, 0, 1),
         plan_from_spec([{"layers": [1, 1, 2], "micro_batches": 6}], tp=2, n_layers=4, global_batch=6, micro_batch=1),
     ),
+    # devices 3 and 6 die: stage 1's shard 0 lives on device 2 (pipeline 0), shard 1 on device 7 (pipeline 1); regrouped
+    # as (2, 7) (the geometry's units) they rebuild stage 1 without moving a byte
+    "dp2pp2tp2-stage-rebuilt-from-two-replicas": (
+        even_plan(dp=2, pp=2, tp=2, n_layers=4, global_batch=4, micro_batch=1),
+        (0, 1, 4, 5, 2, 7),
+        plan_from_spec([{"layers": [4], "micro_batches": 2}, {"layers": [2, 2], "micro_batches": 2}], tp=2, n_layers=4,
+                       global_batch=4, micro_batch=1),
+    ),
 }
 
 
@@ -199,10 +207,8 @@ def test_paper_figure_3():
     slot_plan = plan_from_spec(
         [{"layers": [2, 2, 2, 3], "micro_batches": 1}], tp=1, n_layers=9, global_batch=1, micro_batch=1
     )
-    one_byte_layers = replace(
-        cfg_profile(1), n_layers=9, layer_params=1, first_params=0, last_params=0, bytes_per_elem=1, optim_bytes_per_elem=0,
-    )
-    plan = place(slot_plan, old_plan, one_byte_layers)  # device 3 is the incoming empty card
+    one_element_layers = replace(cfg_profile(1), n_layers=9, layer_params=1, first_params=0, last_params=0)
+    plan = place(slot_plan, old_plan, one_element_layers)  # device 3 is the incoming empty card
     assert [s.devices for s in plan.pipelines[0].stages] == [(0,), (3,), (1,), (2,)]
     # The naive in-order mapping (card i → slot i) moves 0+1+2+3 = 6 layers (the digest's "7" misadds).
     old_layout = layout_of(old_plan, shapes, names, rules=rules)

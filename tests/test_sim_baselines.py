@@ -29,9 +29,9 @@ def toy_profile(n_layers: int = 4, **changes) -> Profile:
     fields = dict(
         key="toy", source="hand", n_layers=n_layers, micro_batch=1, seq_len=1, tp=1, layer_fwd_s=1.0, layer_bwd_s=2.0,
         first_fwd_s=0.0, first_bwd_s=0.0, last_fwd_s=0.0, last_bwd_s=0.0, layer_params=100, first_params=0,
-        last_params=0, bytes_per_elem=2, optim_bytes_per_elem=12, layer_act_bytes=1, first_act_bytes=0,
+        last_params=0, dtype="bf16", layer_act_bytes=1, first_act_bytes=0,
         last_act_bytes=0, boundary_bytes=0, memory_bytes=BIG, p2p_bw=BIG, p2p_latency_s=0.0, dp_bw=BIG,
-        dp_latency_s=0.0, group_create_s=0.5, optimizer_s_per_param=0.0, checkpoint_bw=1400.0, restart_s=100.0,
+        dp_latency_s=0.0, group_create_s=0.5, optimizer_s_per_param=0.0, checkpoint_bw=1200.0, restart_s=100.0,
         n_devices=8, devices_per_node=8,
     )
     return Profile(**{**fields, **changes})
@@ -83,15 +83,15 @@ def test_oobleck_copy_is_the_first_holders_broadcast():
         Pipeline((Stage((0,), (0, 2)), Stage((1,), (2, 4))), 1), Pipeline((Stage((2,), (0, 2)), Stage((3,), (2, 4))), 1)))
     new = Plan(n_layers=4, micro_batch_size=1, pipelines=(
         Pipeline((Stage((1,), (0, 4)),), 1), Pipeline((Stage((2,), (0, 2)), Stage((3,), (2, 4))), 1)))
-    # Device 1 lacks layers 0 and 1 (the embedding unit has no parameters): 2 × 100 params × 2 bytes = 400
-    # bytes, received by it and sent by device 2 (device 0 is gone): 400 / 100 B/s = 4 s.
-    assert oobleck.copy_time(profile, old, new) == pytest.approx(4.0)
+    # Device 1 lacks layers 0 and 1 (the embedding unit has no parameters): 2 × 100 params × 4 bytes (fp32 weights)
+    # = 800 bytes, received by it and sent by device 2 (device 0 is gone): 800 / 100 B/s = 8 s.
+    assert oobleck.copy_time(profile, old, new) == pytest.approx(8.0)
 
 
 def test_oobleck_policy_reinstantiates_locally():
-    # 8 cards, 4 layers; 3500 bytes per card fit 2 layers' state (2 × 1600) but not 4: n0 = 2. f = 1.
+    # 8 cards, 4 layers; 3700 bytes per card fit 2 layers' state (2 × 100 params × 18 bytes) but not 4: n0 = 2. f = 1.
     plan = dp_plan(8, 16)
-    policy = make_policy("oobleck", toy_setup(plan, toy_profile(memory_bytes=3500.0), oobleck__fault_threshold=1))
+    policy = make_policy("oobleck", toy_setup(plan, toy_profile(memory_bytes=3700.0), oobleck__fault_threshold=1))
     start = policy.start()
     assert policy.n0 == 2 and sum(p.micro_batches for p in start.pipelines) == 16 and len(start.devices) == 8
     groups = list(policy.groups)
@@ -141,7 +141,7 @@ def test_recycle_policy_reroutes_then_refills_on_rejoin():
 
 
 def test_recycle_restarts_when_the_hosts_run_out_of_memory_and_grows_back():
-    # 1000-byte activations, 4000 bytes per card: a stage holds 1600 bytes of state + 2 in flight, but not
+    # 1000-byte activations, 4000 bytes per card: a stage holds 1800 bytes of state + 2 in flight, but not
     # the 2 more a host of a rerouted pipeline keeps. The 5 survivors restart on 2 pipelines × 2 stages.
     healthy = pipelines(3, 2, 6)
     policy = make_policy("recycle", toy_setup(healthy, toy_profile(2, layer_act_bytes=1000, memory_bytes=4000.0)))
@@ -162,8 +162,9 @@ def test_bamboo_hidden_share_and_shadow_memory():
     assert bamboo.bubble_hidden(profile, 4, 2) == 1.0  # 3·3 / 2 > 1
     shadow = bamboo.redundant_profile(profile, hidden=0.25)
     assert shadow.layer_fwd_s == pytest.approx(1.75)
-    # Own weights, gradients and Adam state (2+2+12) plus the shadow's weights and Adam state (2+12).
-    assert shadow.memory_costs.state_bytes_per_param == pytest.approx(profile.memory_costs.state_bytes_per_param + 14)
+    # Own fp32 weights, gradients and Adam moments and bf16 copy (4+4+8+2) plus the shadow's weights and moments (4+8).
+    assert profile.memory_costs.state_bytes_per_param == 18
+    assert shadow.memory_costs.state_bytes_per_param == 18 + 12
 
 
 def test_bamboo_fails_over_then_reconfigures_by_the_artifacts_rule():
@@ -214,7 +215,7 @@ def test_checkpoint_restarts_on_the_best_even_plan_of_the_survivors():
     response = policy.on_fault(start, Fault(1.0, frozenset({0}), frozenset({0}), (), 1e9))
     # 3 survivors: 2 replicas × 4 micro-batches = 48 s beats 1 × 3 stages (60 s) and 1 × 2 (54 s).
     assert response.rollback and response.t_step == pytest.approx(48.0) and response.plan.dp == 2
-    # Relaunch 100 s + reload of 4 layers × 100 params × 14 bytes at 1400 B/s = 4 s.
+    # Relaunch 100 s + reload of 4 layers × 100 params × 12 bytes (weights and moments) at 1200 B/s = 4 s.
     assert response.pause_s == pytest.approx(104.0)
     # Card 0 repaired: write a checkpoint (4 s), relaunch (100 s), reload (4 s) onto all 4 replicas again.
     grown = policy.on_rejoin(response.plan, Rejoin(2.0, frozenset({0}), frozenset(), (1.0,), 1e9))

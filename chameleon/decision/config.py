@@ -27,8 +27,7 @@ class ClusterConfig:
     group_create_ms: float = 50.0  # one process-group creation (analytic)
     checkpoint_gbps: float = 2.0  # aggregate storage read bandwidth for a checkpoint reload
     restart_s: float = 60.0  # relaunch + re-initialisation on checkpoint restart
-    bytes_per_elem: int = 2  # parameter/gradient element size (2 = bf16; local profiles use 4)
-    optim_bytes_per_elem: int = 12  # fp32 master copy + 2 AdamW moments (local: 8, the 2 moments)
+    dtype: str = "bf16"  # analytic: the compute dtype peak_tflops is quoted for (local profiles measure fp32)
     comm_procs: int = 3  # gloo processes for the local comm measurement (2..4)
     cache_dir: str = "~/.cache/chameleon/profiles"
 

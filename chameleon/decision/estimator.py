@@ -9,7 +9,10 @@ cores, the 1F1B phase is a processor-sharing simulation of every op and the rest
 is stretched by the share of a core each process gets. Stage costs fold the point-to-point activation transfer into
 the sending stage (blocking send), so the closed form ``fill + (m−1)·bottleneck``
 is exact for uniform stages (Eq. 9) and an upper bound otherwise. Memory is
-:mod:`chameleon.layout.memory` (Eq. 14), the model config validation uses too.
+:mod:`chameleon.layout.memory` (Eq. 14), the model config validation uses too. Who
+holds what — sync buckets and rounds, each device's share, what a device lacks after
+a re-plan — is the plan's :mod:`~chameleon.layout.geometry`, bytes per element its
+:class:`~chameleon.layout.geometry.StateBytes`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 from chameleon.decision.profiler import Profile
 from chameleon.layout import memory
-from chameleon.layout.colouring import conflict_colours
+from chameleon.layout.geometry import geometry_of, per_device
 from chameleon.layout.plan import Plan, Stage
 from chameleon.layout.schedule import Action, dependency, one_f_one_b, step_actions
 
@@ -58,9 +61,9 @@ def stage_cost(profile: Profile, n_layers: int, *, first: bool, last: bool) -> t
     return fwd + (0.0 if last else p2p), bwd + (0.0 if first else p2p)
 
 
-def stage_params(profile: Profile, n_layers: int, *, first: bool, last: bool) -> int:
-    """Whole (unsharded) parameter count of a stage."""
-    return n_layers * profile.layer_params + (profile.first_params if first else 0) + (profile.last_params if last else 0)
+def device_params(profile: Profile, n_layers: int, *, first: bool, last: bool) -> float:
+    """Parameters one device of a stage holds at the profile's TP degree (:func:`~chameleon.layout.geometry.per_device`)."""
+    return per_device(profile.units, n_layers, first=first, last=last, tp=profile.tp)
 
 
 def stage_memory(profile: Profile, n_layers: int, *, first: bool, last: bool, in_flight: int) -> float:
@@ -112,64 +115,31 @@ def _pipeline_costs(profile: Profile, stages: tuple[Stage, ...]) -> tuple[list[f
     return [c[0] for c in costs], [c[1] for c in costs]
 
 
-def sync_rounds(plan: Plan) -> list[tuple[int, list[int], tuple[int, ...]]]:
-    """DP gradient-sync buckets: ``(group_size, model_units, holders)``, one per distinct group.
-
-    Layers (and the embedding/head units) held by the same set of stages across
-    pipelines are bucketed into one all-reduce, in model order as the runtime's
-    :func:`chameleon.layout.colouring.sync_groups`; members are stage ids ``(j, s)``
-    flattened to ints so two buckets conflict when they share a stage.
-    """
-    n_layers = plan.n_layers
-    held_by: list[list[tuple[int, int]]] = [[] for _ in range(n_layers + 2)]  # model unit u at index u + 1
-    for j, p in enumerate(plan.pipelines):
-        for s, st in enumerate(p.stages):
-            if not st.devices:
-                continue
-            lo, hi = st.layers
-            for u in range(lo + (s > 0), hi + 1 + (s == p.n_stages - 1)):
-                held_by[u].append((j, s))
-    units: dict[tuple[tuple[int, int], ...], list[int]] = {}
-    for unit in range(-1, n_layers + 1):
-        units.setdefault(tuple(held_by[unit + 1]), []).append(unit)
-    buckets = []
-    width = max(p.n_stages for p in plan.pipelines)
-    for holders, members in units.items():
-        buckets.append((len(holders), members, tuple(j * width + s for j, s in holders)))
-    return buckets
-
-
 def allreduce_time(profile: Profile, group_size: int, params: float) -> float:
-    """Ring all-reduce of ``params`` gradient elements (per device) over ``group_size`` units."""
+    """Ring all-reduce of ``params`` gradient elements per device over ``group_size`` devices."""
     if group_size < 2:
         return 0.0
-    nbytes = params / profile.tp * profile.bytes_per_elem
+    nbytes = params * profile.state.grad
     return profile.dp_latency_s + 2 * (group_size - 1) / group_size * nbytes / profile.dp_bw
 
 
 def sync_time(profile: Profile, plan: Plan) -> tuple[float, int]:
-    """Seconds and rounds of the coloured DP gradient sync of a plan."""
-    buckets = [
-        (size, sum(unit_params(profile, plan.n_layers, u) for u in units), holders)
-        for size, units, holders in sync_rounds(plan)
-        if size > 1
-    ]
-    colours = conflict_colours([holders for _, _, holders in buckets])
-    rounds = max(colours, default=-1) + 1
+    """Seconds and rounds of the coloured DP gradient sync of a plan: its geometry's buckets and rounds, each
+    round as long as its largest all-reduce."""
+    g = geometry_of(plan)
     seconds = sum(
-        max(allreduce_time(profile, size, params) for (size, params, _), c in zip(buckets, colours) if c == r)
-        for r in range(rounds)
+        max(allreduce_time(profile, len(g.buckets[b].stages), g.elems(b, profile.units)) for b in r) for r in g.rounds
     )
-    return seconds, rounds
+    return seconds, len(g.rounds)
 
 
 def optimizer_time(profile: Profile, plan: Plan) -> float:
     """The optimizer step of the device holding the most parameters."""
     most = max(
-        stage_params(profile, st.n_layers, first=s == 0, last=s == p.n_stages - 1)
+        device_params(profile, st.n_layers, first=s == 0, last=s == p.n_stages - 1)
         for p in plan.pipelines for s, st in enumerate(p.stages) if st.devices
     )
-    return most / profile.tp * profile.optimizer_s_per_param
+    return most * profile.optimizer_s_per_param
 
 
 def reroute_extra(profile: Profile, plan: Plan, *, slots: str = "max") -> float:
@@ -346,44 +316,24 @@ def memory_per_device(profile: Profile, plan: Plan) -> dict[int, float]:
     return memory.plan_memory(profile.memory_costs, plan)
 
 
-def held_params(plan: Plan) -> dict[int, set[int]]:
-    """Model units (−1 embedding, layers, ``n_layers`` head) each device holds."""
-    held: dict[int, set[int]] = {}
-    for p in plan.pipelines:
-        for s, st in enumerate(p.stages):
-            units = set(range(*st.layers)) | ({-1} if s == 0 else set()) | ({plan.n_layers} if s == p.n_stages - 1 else set())
-            for d in st.devices:
-                held[d] = units
-    return held
-
-
-def unit_params(profile: Profile, n_layers: int, unit: int) -> int:
-    """Parameter count of one model unit (−1 embedding, ``n_layers`` head, else a layer)."""
-    return profile.first_params if unit == -1 else profile.last_params if unit == n_layers else profile.layer_params
-
-
 def migration_time(profile: Profile, old: Plan, new: Plan) -> tuple[float, float]:
     """Seconds and total bytes to give every device of ``new`` the state it lacks.
 
-    A device lacking units receives their weights and two AdamW moments from a
-    DP peer, usually on another node; receivers run concurrently, so time is the
+    A device receives the weights and AdamW moments of every region of ``new`` it did
+    not hold under ``old`` (:meth:`~chameleon.layout.geometry.Geometry.lacking`), from
+    survivors usually on another node; receivers run concurrently, so time is the
     busiest receiver's bytes ÷ the DP (inter-node) bandwidth plus one latency per unit.
     """
-    before, after = held_params(old), held_params(new)
-    worst, total = 0.0, 0.0
-    for d, units in after.items():
-        missing = units - before.get(d, set())
-        nbytes = sum(profile.migrate_bytes(unit_params(profile, new.n_layers, u)) for u in missing)
-        total += nbytes
-        if missing:
-            worst = max(worst, len(missing) * profile.dp_latency_s + nbytes / profile.dp_bw)
-    return worst, total
+    lacking = geometry_of(new).lacking(geometry_of(old), profile.units)
+    moved = {d: elems * profile.state.moved for d, (elems, _) in lacking.items()}
+    worst = max((units * profile.dp_latency_s + moved[d] / profile.dp_bw for d, (_, units) in lacking.items()), default=0.0)
+    return worst, sum(moved.values())
 
 
 def checkpoint_time(profile: Profile, n_layers: int) -> float:
     """Writing or reading a whole checkpoint (weights + optimizer state) at the checkpoint bandwidth."""
     total = n_layers * profile.layer_params + profile.first_params + profile.last_params
-    return total * (profile.bytes_per_elem + profile.optim_bytes_per_elem) / profile.checkpoint_bw
+    return total * profile.state.moved / profile.checkpoint_bw
 
 
 def rebuild_time(profile: Profile, plan: Plan) -> float:
@@ -394,12 +344,7 @@ def rebuild_time(profile: Profile, plan: Plan) -> float:
     disjoint groups connect at the same time. So the rebuild costs the busiest
     stage's group count, not the total.
     """
-    width = max(p.n_stages for p in plan.pipelines)
-    joined: dict[int, int] = {}
-    for size, _, holders in sync_rounds(plan):
-        if size > 1:
-            for stage in holders:
-                joined[stage] = joined.get(stage, 0) + 1
-    tp = {j * width + s: int(st.tp > 1) for j, p in enumerate(plan.pipelines) for s, st in enumerate(p.stages)}
-    busiest = max((joined.get(stage, 0) + extra for stage, extra in tp.items()), default=0)
+    g = geometry_of(plan)
+    busiest = max((sum(len(g.buckets[b].stages) > 1 for b in buckets) + (st.tp > 1)
+                   for st, buckets in zip(g.stages, g.of_stage)), default=0)
     return (1 + busiest) * profile.group_create_s

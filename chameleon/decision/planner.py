@@ -44,7 +44,7 @@ from scipy.optimize import linprog
 
 from chameleon.decision import estimator as est
 from chameleon.decision.profiler import Profile
-from chameleon.layout.colouring import conflict_colours
+from chameleon.layout.geometry import Geometry, coverage, geometry_of
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage
 
 _EPS = 1e-12
@@ -57,14 +57,15 @@ class Split:
     """One pipeline's layer split and its 1F1B terms.
 
     ``time`` is the closed form ``fill + (m−1)·bottleneck`` unless ``curve`` gives
-    the exact 1F1B time; ``max_micro`` caps the micro-batches that fit in memory.
+    the exact 1F1B time; ``max_params`` is what one device of its largest stage
+    holds; ``max_micro`` caps the micro-batches that fit in memory.
     """
 
     length: int
     layers: tuple[int, ...]
     fill: float
     bottleneck: float
-    max_params: int
+    max_params: float
     max_micro: int | None = None
     curve: Callable[[int], float] | None = field(default=None, compare=False, repr=False)
 
@@ -112,7 +113,7 @@ def make_split(profile: Profile, layers, *, exact: bool = False, max_micro: int 
     """The :class:`Split` of ``layers`` (layer counts per stage); ``exact`` attaches the Eq. 11 curve."""
     fwd, bwd = _costs(profile, layers)
     costs = [f + b for f, b in zip(fwd, bwd)]
-    params = max(est.stage_params(profile, n, first=s == 0, last=s == len(layers) - 1) for s, n in enumerate(layers))
+    params = max(est.device_params(profile, n, first=s == 0, last=s == len(layers) - 1) for s, n in enumerate(layers))
     curve = lru_cache(maxsize=None)(lambda m: est.pipeline_time(fwd, bwd, m)) if exact else None
     return Split(len(layers), tuple(layers), sum(costs), max(costs), params, max_micro, curve)
 
@@ -143,11 +144,12 @@ def pareto_splits(profile: Profile, length: int) -> list[Split]:
     if length > n_layers:
         return []
     unit = profile.layer_fwd_s + profile.layer_bwd_s
+    layer_share = profile.layer_params / profile.tp  # what a layer adds to each device of its stage
+    ends = [(s == 0, s == length - 1) for s in range(length)]
     extras, params0, caps_mem = [], [], []
-    for s in range(length):
-        first, last = s == 0, s == length - 1
+    for s, (first, last) in enumerate(ends):
         extras.append(sum(est.stage_cost(profile, 0, first=first, last=last)))
-        params0.append(est.stage_params(profile, 0, first=first, last=last))
+        params0.append(est.device_params(profile, 0, first=first, last=last))
         in_flight = length - s
         fixed = est.stage_memory(profile, 0, first=first, last=last, in_flight=in_flight)
         per_layer = est.stage_memory(profile, 1, first=False, last=False, in_flight=in_flight) - est.stage_memory(
@@ -157,7 +159,7 @@ def pareto_splits(profile: Profile, length: int) -> list[Split]:
 
     def caps(time_cap: float, param_cap: float) -> list[int]:
         return [
-            min(m, int(math.floor((time_cap - e) / unit + 1e-9)), int((param_cap - q) // profile.layer_params))
+            min(m, int(math.floor((time_cap - e) / unit + 1e-9)), int(math.floor((param_cap - q) / layer_share + 1e-9)))
             for e, q, m in zip(extras, params0, caps_mem)
         ]
 
@@ -175,7 +177,7 @@ def pareto_splits(profile: Profile, length: int) -> list[Split]:
         return values[lo]
 
     times = sorted({n * unit + e for n in range(1, n_layers + 1) for e in set(extras)})
-    params = sorted({n * profile.layer_params + q for n in range(1, n_layers + 1) for q in set(params0)})
+    params = sorted({est.device_params(profile, n, first=f, last=l) for n in range(1, n_layers + 1) for f, l in set(ends)})
     front = []
     while params:
         time_cap = lowest(times, lambda t: feasible(t, params[-1]))
@@ -314,32 +316,30 @@ class Planner:
                     pool.append(make_split(self.profile, layers, exact=True, max_micro=cap))
         return tuple(pool)
 
-    def _round_params(self, splits: tuple[Split, ...]) -> tuple[int, ...]:
-        """Largest bucket (params) of each coloured sync round when pipelines of ``splits`` coexist."""
-        n_layers = self.profile.n_layers
-        cuts = sorted({b for sp in splits for b in np.cumsum(sp.layers)[:-1]} | {0, n_layers})
-        stage_of = [np.repeat(np.arange(sp.length), sp.layers) for sp in splits]
-        buckets = []
-        for lo, hi in zip(cuts, cuts[1:]):
-            params = (hi - lo) * self.profile.layer_params
-            params += self.profile.first_params if lo == 0 else 0
-            params += self.profile.last_params if hi == n_layers else 0
-            holders = tuple(i * n_layers + int(stages[lo]) for i, stages in enumerate(stage_of))
-            buckets.append((params, holders))
-        colours = conflict_colours([holders for _, holders in buckets])
-        return tuple(max(p for (p, _), c in zip(buckets, colours) if c == r) for r in range(max(colours) + 1))
+    def _round_params(self, splits: tuple[Split, ...]) -> tuple[float, ...]:
+        """Largest bucket (elements per device) of each coloured sync round when pipelines of ``splits`` coexist.
+
+        They are the rounds of the geometry of a plan holding each split once, on
+        placeholder devices; a lone split twice, as a sync needs two holders (a second
+        copy conflicts where the first does).
+        """
+        ids, tp, copies = itertools.count(), self.profile.tp, 2 if len(splits) == 1 else 1
+        pipes = tuple(Pipeline(tuple(Stage(tuple(itertools.islice(ids, tp)), b) for b in sp.bounds()), 1)
+                      for sp in splits for _ in range(copies))
+        g = Geometry(Plan(n_layers=self.profile.n_layers, micro_batch_size=1, pipelines=pipes))
+        return tuple(max(g.elems(b, self.profile.units) for b in r) for r in g.rounds)
 
     def _fixed(self, splits: tuple[Split, ...], k: int) -> float:
         """DP sync (coloured rounds over ``k`` pipelines) + optimizer step of a set of distinct splits."""
         sync = sum(est.allreduce_time(self.profile, k, p) for p in self._rounds(splits)) if k > 1 else 0.0
         return sync + self._optimizer(max(sp.max_params for sp in splits))
 
-    def _floor(self, params: int, k: int) -> float:
+    def _floor(self, params: float, k: int) -> float:
         """Lower bound of :meth:`_fixed` when the largest stage holds ``params``: one sync round + optimizer."""
         return est.allreduce_time(self.profile, k, params) + self._optimizer(params)
 
-    def _optimizer(self, params: int) -> float:
-        return params / self.profile.tp * self.profile.optimizer_s_per_param
+    def _optimizer(self, params: float) -> float:
+        return params * self.profile.optimizer_s_per_param
 
     def _resolve(self, counts: dict) -> Shape:
         """``{length or Split: count}`` as ``((Split, count), ...)``; a length means its fastest split."""
@@ -493,42 +493,40 @@ class Planner:
 def place(plan: Plan, previous: Plan, profile: Profile) -> Plan:
     """Reassign ``plan``'s stage units to minimise the state bytes each lacks from ``previous``.
 
-    The cost of putting unit ``u`` on slot ``v`` is the weights + AdamW moments of
-    the model units ``v`` needs that ``u`` does not hold; solved as an assignment
-    (Hungarian) problem over TP groups. Units needing the same model units, and
-    groups holding the same ones, are interchangeable, so the assignment is solved
-    as a transportation problem between those classes (an LP whose vertices are
+    The cost of putting unit ``u`` on slot ``v`` is the weights + AdamW moments of the
+    regions ``v``'s devices need that ``u``'s devices, TP index by TP index, did not
+    hold under ``previous`` (the geometry's :meth:`~chameleon.layout.geometry.Holding.lacks`):
+    a unit regrouped from the shards of different replicas costs nothing on the stage
+    it rebuilds. Solved as an assignment (Hungarian) problem over TP groups; slots
+    needing the same regions, and groups holding the same ones, are interchangeable,
+    so it is a transportation problem between those classes (an LP whose vertices are
     integral): the same optimum, in time independent of the device count.
     """
-    n_units = plan.n_layers + 2
-    held = est.held_params(previous)
-    slots = [(j, s) for j, p in enumerate(plan.pipelines) for s in range(p.n_stages)]
-    groups = [plan.pipelines[j].stages[s].devices for j, s in slots]
-    weight = np.array([profile.migrate_bytes(est.unit_params(profile, plan.n_layers, u - 1)) for u in range(n_units)])
-    need = np.zeros((len(slots), n_units))
-    have = np.zeros((len(groups), n_units))
-    for i, (j, s) in enumerate(slots):
-        p = plan.pipelines[j]
-        lo, hi = p.stages[s].layers
-        need[i, lo + 1:hi + 1] = 1
-        need[i, 0] = s == 0
-        need[i, -1] = s == p.n_stages - 1
-    for i, g in enumerate(groups):
-        for u in held.get(g[0], ()):
-            have[i, u + 1] = 1
-    need_kinds, slot_kind = np.unique(need, axis=0, return_inverse=True)
-    have_kinds, group_kind = np.unique(have, axis=0, return_inverse=True)
-    slot_kind, group_kind = slot_kind.ravel(), group_kind.ravel()
-    flow = _transport((need_kinds * weight) @ (1 - have_kinds).T, np.bincount(slot_kind), np.bincount(group_kind))
+    old, new, n = geometry_of(previous), Geometry(plan), plan.n_layers
+    groups = [st.devices for st in new.stages]
+    need_kinds, slot_kind = _classes([new.holding(g[0]) for g in groups])  # shard 0's: every shard needs as much
+    have_kinds, group_kind = _classes([tuple(map(old.holding, g)) for g in groups])
+    need = np.array([h.sizes(profile.units, n) for h in need_kinds])
+    # per group kind and unit: the shares of the slot's shards its devices hold (device t: shard t)
+    held = np.array([sum(coverage(have, t, len(haves), n) for t, have in enumerate(haves)) for haves in have_kinds])
+    cost = need @ (new.width - held).T * profile.state.moved
+    flow = _transport(cost, np.bincount(slot_kind), np.bincount(group_kind))
     slots_of = [iter(np.flatnonzero(slot_kind == a).tolist()) for a in range(len(need_kinds))]
     groups_of = [iter(np.flatnonzero(group_kind == b).tolist()) for b in range(len(have_kinds))]
     assign = {next(slots_of[a]): next(groups_of[b]) for a, b in zip(*np.nonzero(flow)) for _ in range(flow[a, b])}
-    slot_ids = iter(range(len(slots)))  # slots are listed in pipeline-then-stage order
+    slot_ids = iter(range(len(groups)))  # slots are listed in pipeline-then-stage order
     pipelines = tuple(
         Pipeline(stages=tuple(Stage(devices=groups[assign[next(slot_ids)]], layers=st.layers) for st in p.stages), micro_batches=p.micro_batches)
         for p in plan.pipelines
     )
     return Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=pipelines)
+
+
+def _classes(items: list) -> tuple[list, np.ndarray]:
+    """The distinct ``items`` (first seen first) and each item's index among them."""
+    index: dict = {}
+    kinds = np.array([index.setdefault(item, len(index)) for item in items], dtype=int)
+    return list(index), kinds
 
 
 def _transport(cost: np.ndarray, supply: np.ndarray, demand: np.ndarray) -> np.ndarray:
@@ -543,11 +541,6 @@ def _transport(cost: np.ndarray, supply: np.ndarray, demand: np.ndarray) -> np.n
         rows[n_a + b, b::n_b] = 1
     result = linprog(cost.ravel(), A_eq=rows, b_eq=np.concatenate([supply, demand]), bounds=(0, None), method="highs-ds")
     return np.rint(result.x).astype(int).reshape(n_a, n_b)
-
-
-def stage_units(plan: Plan, failed: set[int] = frozenset()) -> list[tuple[int, ...]]:
-    """The plan's TP groups with no failed device, in plan order."""
-    return [st.devices for p in plan.pipelines for st in p.stages if st.devices and not failed & set(st.devices)]
 
 
 def refill(plan: Plan, units: list[tuple[int, ...]]) -> Plan:
@@ -581,7 +574,7 @@ class Precomputed:
 def precompute(plan: Plan, planner: Planner, losses) -> Precomputed:
     """Search the best shape for each number of stage units ``plan`` keeps after losing ``losses`` of them (a
     device's unit, a node's units…), so that a fault needs no search."""
-    units = stage_units(plan)
+    units = geometry_of(plan).units(plan.devices)
     shapes = {}
     for lost in sorted(set(losses)):
         left = len(units) - lost

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from chameleon.decision.config import ClusterConfig
-from chameleon.layout.memory import ELEMENT_BYTES, MOMENT_BYTES, MemoryCosts
+from chameleon.layout.geometry import ELEMENT_BYTES, StateBytes, UnitParams, state_bytes
+from chameleon.layout.memory import MemoryCosts
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
 from chameleon.optim import adamw, init_moments
@@ -39,9 +40,11 @@ class Profile:
 
     Times are seconds per micro-batch; ``*_params`` are whole (unsharded) element
     counts; activation bytes are what autograd keeps per micro-batch until backward.
-    Bandwidths are bytes/s. ``host_cores`` is set for CPU devices (worker processes),
-    which time-share their node's cores with each other and with ``background_procs``
-    busy processes of other jobs. Compute times are CPU times: what an op costs on a core of its own.
+    ``dtype`` is the compute dtype: every byte count of the training state follows
+    from it (:attr:`state`). Bandwidths are bytes/s. ``host_cores`` is set for CPU
+    devices (worker processes), which time-share their node's cores with each other
+    and with ``background_procs`` busy processes of other jobs. Compute times are CPU
+    times: what an op costs on a core of its own.
     """
 
     key: str
@@ -59,8 +62,7 @@ class Profile:
     layer_params: int
     first_params: int
     last_params: int
-    bytes_per_elem: int
-    optim_bytes_per_elem: int
+    dtype: str
     layer_act_bytes: int
     first_act_bytes: int
     last_act_bytes: int
@@ -81,25 +83,29 @@ class Profile:
     # caller that measured it now (measure_background) sets it for its own estimates.
     background_procs: float = 0.0
     commit_s: float = 0.0  # a step's commit round trip: one worker's message, a store key set, its wake-up
+    shadow_bytes_per_param: float = 0.0  # another stage's state also kept per parameter (a simulated Bamboo's shadow)
+
+    @property
+    def state(self) -> StateBytes:
+        """Bytes per parameter of each part of the training state (:func:`chameleon.layout.geometry.state_bytes`)."""
+        return state_bytes(self.dtype)
+
+    @property
+    def units(self) -> UnitParams:
+        """Whole element counts of a layer, the embedding and the head."""
+        return UnitParams(self.layer_params, self.first_params, self.last_params)
 
     @property
     def memory_costs(self) -> MemoryCosts:
         """This profile's stage parts for :func:`chameleon.layout.memory.plan_memory` (layer activations made whole)."""
-        return MemoryCosts(
-            layer_params=self.layer_params, first_params=self.first_params, last_params=self.last_params,
-            layer_act_bytes=self.layer_act_bytes * self.tp, first_act_bytes=self.first_act_bytes,
-            last_act_bytes=self.last_act_bytes, state_bytes_per_param=2 * self.bytes_per_elem + self.optim_bytes_per_elem,
-        )
-
-    def migrate_bytes(self, params: int) -> float:
-        """Bytes a device must receive to take over ``params`` elements: weights + 2 AdamW moments."""
-        return params / self.tp * (self.bytes_per_elem + self.optim_bytes_per_elem)
+        acts = UnitParams(self.layer_act_bytes * self.tp, self.first_act_bytes, self.last_act_bytes)
+        return MemoryCosts(self.units, acts, self.state.resident + self.shadow_bytes_per_param)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-PROFILE_FORMAT = 2  # bumped whenever what a profile measures changes, so older cached profiles are measured anew
+PROFILE_FORMAT = 3  # bumped whenever what a profile measures changes, so older cached profiles are measured anew
 
 
 def profile_key(model: ModelConfig, *, micro_batch: int, seq_len: int, tp: int, device: str) -> str:
@@ -158,8 +164,10 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
     """A profile from datasheet figures.
 
     Forward FLOPs per token come from the model spec (a dense decoder such as Llama:
-    ``2·P + 2·s·dim`` a layer), backward twice that. Activations assume flash
-    attention (no ``s×s`` scores kept) and bf16 tensors; the head keeps fp32 logits.
+    ``2·P + 2·s·dim`` a layer), backward twice that, at the peak of ``cluster.dtype``.
+    Activations assume flash attention (no ``s×s`` scores kept) in that dtype; the
+    head keeps fp32 logits. The optimizer step streams the weight, gradient and
+    moments in and the weight, moments and compute copy out.
     """
     spec = spec_of(model)
     layer_p, first_p, last_p = spec.unit_params(model)
@@ -169,9 +177,11 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
     act_elems = spec.activation_elems(model, micro_batch=micro_batch, seq_len=seq_len, flash=True)
     n_nodes = -(-cluster.n_devices // cluster.devices_per_node)
     dp_gbps = cluster.inter_gbps if n_nodes > 1 else cluster.intra_gbps
-    optim_traffic = 2 * (2 * cluster.bytes_per_elem + cluster.optim_bytes_per_elem)
     if cluster.memory_gb is None:
         raise ValueError(f"cluster.memory_gb is required for an analytic cluster ({cluster.name})")
+    if cluster.dtype not in ELEMENT_BYTES:
+        raise ValueError(f"cluster.dtype={cluster.dtype!r}: use one of {sorted(ELEMENT_BYTES)}")
+    elem, state = ELEMENT_BYTES[cluster.dtype], state_bytes(cluster.dtype)
     return Profile(
         key=profile_key(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp, device=cluster.name),
         source=f"analytic {cluster.name}: {cluster.peak_tflops} TFLOP/s × {cluster.mfu}",
@@ -188,19 +198,18 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
         layer_params=layer_p,
         first_params=first_p,
         last_params=last_p,
-        bytes_per_elem=cluster.bytes_per_elem,
-        optim_bytes_per_elem=cluster.optim_bytes_per_elem,
-        layer_act_bytes=act_elems * cluster.bytes_per_elem // tp,
+        dtype=cluster.dtype,
+        layer_act_bytes=act_elems * elem // tp,
         first_act_bytes=0,
         last_act_bytes=tokens * model.vocab_size * ELEMENT_BYTES["fp32"],  # the head is replicated
-        boundary_bytes=tokens * model.dim * cluster.bytes_per_elem,
+        boundary_bytes=tokens * model.dim * elem,
         memory_bytes=cluster.memory_gb * 1e9,
         p2p_bw=cluster.intra_gbps * 1e9,
         p2p_latency_s=cluster.latency_us * 1e-6,
         dp_bw=dp_gbps * 1e9,
         dp_latency_s=cluster.latency_us * 1e-6,
         group_create_s=cluster.group_create_ms * 1e-3,
-        optimizer_s_per_param=optim_traffic / (cluster.hbm_gbps * 1e9 * tp),
+        optimizer_s_per_param=(state.resident + state.moved) / (cluster.hbm_gbps * 1e9),
         checkpoint_bw=cluster.checkpoint_gbps * 1e9,
         restart_s=cluster.restart_s,
         n_devices=cluster.n_devices,
@@ -293,8 +302,7 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
         layer_params=layer_p,
         first_params=first_p,
         last_params=last_p,
-        bytes_per_elem=ELEMENT_BYTES["fp32"],
-        optim_bytes_per_elem=MOMENT_BYTES,
+        dtype="fp32",
         layer_act_bytes=layer_act,
         first_act_bytes=first_act,
         last_act_bytes=last_act,

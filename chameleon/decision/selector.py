@@ -6,12 +6,15 @@ stage's layers move onto a pipeline neighbour, weights from a DP peer) and
 ``checkpoint`` (reload the newest checkpoint onto the planner's plan). Each is
 scored ``B / t_step · (D − T − p·C) / D``: Eq. 8's average throughput until the
 next fault, less what that fault is expected to cost on the candidate's plan —
-``p`` the share of fault domains whose loss would leave some layer with no
-replica (:func:`exposure`), ``C`` the training time such a loss throws away: a
+``p`` the share of fault domains whose loss would leave some region of the state
+with no holder (:meth:`~chameleon.layout.geometry.Geometry.exposure`), ``C`` the training time such a loss throws away: a
 restart, a reload and the progress since the newest checkpoint, or everything
 since the start when there is none (:func:`fault_cost_s`). With ``p = 0`` it is
 Eq. 8. The best feasible candidate wins; ties go to the smaller transition, then
-the name. Re-planning weighs the planner's best plan, its best with every layer
+the name. What survives is decided region by region (:mod:`chameleon.layout.geometry`):
+a layer lives while each of its TP shards has a live holder, whichever replica that
+is, and survivors of broken stages are regrouped into units a re-plan may use.
+Re-planning weighs the planner's best plan, its best with every layer
 on two pipelines, its best on fewer devices (the rest idle) and the plans that
 ran earlier in the run on devices alive again. ``t_step`` is measured where a
 plan of the same shape ran, and estimated on the measured scale elsewhere
@@ -21,13 +24,15 @@ plan of the same shape ran, and estimated on the measured scale elsewhere
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, replace
 
 from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.measured import Measured
-from chameleon.decision.planner import Planner, stage_units
+from chameleon.decision.planner import Planner
 from chameleon.decision.profiler import Profile
+from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Reroute, Stage, validate_plan
 
 POLICIES = ("reroute", "dynamic", "redundant", "checkpoint")
@@ -121,7 +126,7 @@ def score(*, global_batch: int, t_step: float, transition: float, d_s: float) ->
 
 @dataclass(frozen=True)
 class Fallback:
-    """What the next fault would cost where it leaves a layer with no replica.
+    """What the next fault would cost where it leaves some region of the state with no holder.
 
     ``checkpoint_age_s``: age of the newest checkpoint now (None: none exists, so
     such a fault ends the run: everything since the start is lost);
@@ -155,40 +160,8 @@ def expected_age(age_s: float, interval_s: float | None, d_s: float) -> float:
     return within + reach * periodic
 
 
-def exposure(plan: Plan, domains: tuple[tuple[int, ...], ...] | None) -> float:
-    """Share of ``domains`` (None: each device of ``plan``) whose loss leaves some layer of ``plan`` with no replica.
-
-    A domain wipes a layer when it touches every stage holding it; each domain only
-    counts down the layers of the stages it touches, so large plans stay cheap.
-    """
-    groups = [(d,) for d in plan.devices] if domains is None else [g for g in domains if g]
-    if not groups:
-        return 0.0
-    held: list[tuple[int, int]] = []  # layers of each stage with devices
-    stage_of: dict[int, int] = {}  # device -> its stage's index in ``held``
-    replicas = [0] * plan.n_layers
-    for st in (st for p in plan.pipelines for st in p.stages if st.devices):
-        stage_of.update((d, len(held)) for d in st.devices)
-        held.append(st.layers)
-        for layer in range(*st.layers):
-            replicas[layer] += 1
-    if 0 in replicas:
-        return 1.0
-
-    def wipes(group: tuple[int, ...]) -> bool:
-        left = list(replicas)
-        for k in {stage_of[d] for d in group if d in stage_of}:
-            for layer in range(*held[k]):
-                left[layer] -= 1
-                if not left[layer]:
-                    return True
-        return False
-
-    return sum(wipes(g) for g in groups) / len(groups)
-
-
 def fault_cost_s(profile: Profile, plan: Plan, fallback: Fallback, d_s: float) -> float:
-    """Training time lost when the next fault leaves a layer of ``plan`` with no replica.
+    """Training time lost when the next fault leaves some region of ``plan``'s state with no holder.
 
     A reload (restart or group rebuild, reading the checkpoint) plus the expected
     progress since the newest checkpoint; with no checkpoint, the whole run so far
@@ -208,24 +181,6 @@ def risk_score(*, global_batch: int, t_step: float, transition: float, d_s: floa
 
 def _lost_units(plan: Plan, failed: set[int]) -> list[tuple[int, int]]:
     return [(j, s) for j, p in enumerate(plan.pipelines) for s, st in enumerate(p.stages) if failed & set(st.devices)]
-
-
-def _uncovered_layers(plan: Plan, failed: set[int]) -> list[tuple[int, int]]:
-    """Layer ranges no surviving stage holds (state lost everywhere)."""
-    alive = [0] * plan.n_layers
-    for p in plan.pipelines:
-        for st in p.stages:
-            if st.devices and not failed & set(st.devices):
-                for layer in range(*st.layers):
-                    alive[layer] = 1
-    gaps, start = [], None
-    for layer, ok in enumerate(alive + [1]):
-        if not ok and start is None:
-            start = layer
-        elif ok and start is not None:
-            gaps.append((start, layer))
-            start = None
-    return gaps
 
 
 def reroute_plan(plan: Plan, failed: set[int]) -> Plan:
@@ -300,7 +255,7 @@ def _finish(name: str, profile: Profile, plan: Plan, parts: dict[str, float], *,
     t_step = measured.step_s(plan, est.estimate_step(profile, plan, reroute_slots=slots).t_step)
     peak = max(est.memory_per_device(profile, plan).values())
     transition = sum(parts.values())
-    p = exposure(plan, fallback.domains)
+    p = geometry_of(plan).exposure(fallback.domains)
     cost = fault_cost_s(profile, plan, fallback, d_s) if p else 0.0
     risk = dict(exposure=p, fault_cost_s=cost)
     if peak > profile.memory_bytes:
@@ -347,7 +302,7 @@ def replans(planner: Planner, units: list[tuple[int, ...]], *, n_micro: int, mic
     if len(units) <= IDLE_UNITS:
         for k in range(1, min(IDLE_OPTIONS, len(units) - 1) + 1):
             out += best(planner, ordered[:-k], previous)
-    if len(units) > 1 and (not out or exposure(out[0][0], domains) > 0):
+    if len(units) > 1 and (not out or geometry_of(out[0][0]).exposure(domains) > 0):
         out += best(planner.replicated, units, previous) + best(planner.replicated, ordered, None)
     return out + [(plan, 0.0) for plan in measured.plans_on({d for unit in units for d in unit})]
 
@@ -364,7 +319,7 @@ def candidates(
     precomputed: Plan | None = None,
     in_process: bool = False,
     fallback: Fallback | None = None,
-    spares: list[tuple[int, ...]] = (),
+    idle: Collection[int] = (),
     measured: Measured = Measured(),
 ) -> list[Candidate]:
     """Every recovery candidate for ``failed`` devices of ``plan``, feasible or not (with why).
@@ -372,14 +327,16 @@ def candidates(
     ``in_process``: survivors reload a checkpoint without restarting (Chameleon's
     runtime), so that candidate pays a group rebuild instead of a job restart.
     ``fallback``: what the next fault would cost (its checkpoint age and in-process
-    flag are taken from the arguments above). ``spares``: live stage units
-    ``plan`` leaves idle, which a re-plan or a reload may use. ``measured``: step
-    times measured in this run.
+    flag are taken from the arguments above). ``idle``: live devices ``plan``
+    leaves idle; a re-plan or a reload may use them, and the survivors of broken
+    stages, regrouped into units (:meth:`~chameleon.layout.geometry.Geometry.units`).
+    ``measured``: step times measured in this run.
     """
     fallback = replace(fallback or Fallback(), checkpoint_age_s=checkpoint_age_s, in_process=in_process)
-    gaps = _uncovered_layers(plan, failed)
+    geometry = geometry_of(plan)
+    lost = geometry.lost(failed)
     common = dict(global_batch=plan.global_batch, d_s=d_s, slots=slots, fallback=fallback, measured=measured)
-    units = stage_units(plan, failed) + list(spares)
+    units = geometry.units((set(plan.devices) - set(failed)) | set(idle))
     options = (lambda: replans(planner, units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size,
                                previous=plan, precomputed=precomputed, domains=fallback.domains,
                                measured=measured)) if units else list
@@ -388,7 +345,7 @@ def candidates(
         "dynamic": lambda: _dynamic(profile, plan, options(), **common),
         "redundant": lambda: _redundant(profile, plan, failed, **common),
     }
-    out = [Candidate(name, False, f"layers {gaps} have no surviving replica") if gaps else _built(name, build)
+    out = [Candidate(name, False, f"no survivor holds {geometry.describe(lost)}") if lost else _built(name, build)
            for name, build in builders.items()]
     out.append(_built("checkpoint", lambda: _checkpoint(profile, plan, units, planner, precomputed=precomputed, **common)))
     return out
@@ -456,16 +413,16 @@ def decide(
     domains: tuple[tuple[int, ...], ...] | None = None,
     precomputed: Plan | None = None,
     in_process: bool = False,
-    spares: list[tuple[int, ...]] = (),
+    idle: Collection[int] = (),
     measured: Measured = Measured(),
 ) -> Decision:
     """Weigh every candidate by Eq. 8 and the next fault's cost, and choose; a forced ``policy.name`` restricts the choice.
 
     ``checkpoint_interval_s`` (seconds between checkpoints, None: none scheduled)
     and ``domains`` (devices that fail together, None: each alone) feed the next
-    fault's cost (:class:`Fallback`); ``spares`` are live stage units ``plan``
-    leaves idle; ``measured``: step times measured in this run. A forced policy that is infeasible falls back to the best
-    feasible candidate, and the note says so.
+    fault's cost (:class:`Fallback`); ``idle`` are live devices ``plan`` leaves
+    idle; ``measured``: step times measured in this run. A forced policy that is infeasible falls back to the best
+    feasible candidate, and the note says so; with none feasible, the note says what no survivor holds.
     """
     if policy.name not in POLICIES + ("chameleon",):
         raise ValueError(f"policy.name={policy.name!r}: use chameleon, {', '.join(POLICIES)}")
@@ -474,7 +431,7 @@ def decide(
     cands = candidates(
         profile, plan, failed, planner=planner, d_s=d_s, slots=policy.reroute_slots,
         checkpoint_age_s=checkpoint_age_s, precomputed=precomputed, in_process=in_process, fallback=fallback,
-        spares=spares, measured=measured,
+        idle=idle, measured=measured,
     )
     feasible = [c for c in cands if c.feasible]
     note = ""
@@ -486,8 +443,12 @@ def decide(
             why = next(c.why for c in cands if c.name == policy.name)
             note = f"forced policy {policy.name} is infeasible ({why}); chose by Eq. 8 instead"
     best = min(feasible, key=lambda c: (-c.score, c.transition, c.name)) if feasible else None
-    if best is None:
-        note = note or "no feasible candidate: every layer's state is lost and no checkpoint exists"
+    if best is None and not note:
+        geometry = geometry_of(plan)
+        lost = geometry.lost(failed)
+        note = (f"no feasible candidate: no survivor holds {geometry.describe(lost)}, and no checkpoint exists" if lost
+                else "no feasible candidate, though survivors hold every region: "
+                     + "; ".join(f"{c.name}: {c.why}" for c in cands))
     return Decision(policy.name, tuple(sorted(failed)), d_s, source, best.name if best else None, tuple(cands), note)
 
 
@@ -501,7 +462,7 @@ def _alive(domains, dead) -> tuple[tuple[int, ...], ...] | None:
 def decide_growth(
     profile: Profile,
     plan: Plan,
-    joining: list[tuple[int, ...]],
+    joining: Collection[int],
     *,
     policy: PolicyConfig,
     planner: Planner,
@@ -521,7 +482,7 @@ def decide_growth(
     as the systems it stands for heal whenever devices return.
 
     Args:
-        joining: the returning devices as stage units (TP groups).
+        joining: the returning devices (and any other live device ``plan`` leaves idle).
         precomputed: the planner's best plan over every unit, if already searched.
         measured: step times measured in this run (the plans that ran are options too).
     """
@@ -531,7 +492,7 @@ def decide_growth(
     stay = _finish("stay", profile, plan, {}, **common)
 
     def grow() -> Candidate:
-        options = replans(planner, stage_units(plan) + list(joining), n_micro=plan.n_micro_batches,
+        options = replans(planner, geometry_of(plan).units(set(plan.devices) | set(joining)), n_micro=plan.n_micro_batches,
                           micro_batch_size=plan.micro_batch_size, previous=plan, precomputed=precomputed, domains=domains,
                           measured=measured)
         working = [(new, search_s) for new, search_s in options if set(new.devices) - set(plan.devices)]
@@ -542,5 +503,5 @@ def decide_growth(
     cands = (stay, _built("grow", grow))
     feasible = [c for c in cands if c.feasible and (policy.name == "chameleon" or c.name == "grow")] or [stay]
     best = max(feasible, key=lambda c: (c.score, c.name == "stay"))
-    joined = sorted(d for unit in joining for d in unit)
+    joined = sorted(joining)
     return Decision(policy.name, tuple(joined), d_s, source, best.name, cands, f"devices {joined} returned")

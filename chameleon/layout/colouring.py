@@ -1,14 +1,11 @@
-"""Gradient-sync groups for (possibly uneven) pipelines, coloured into rounds.
+"""Colouring conflicting groups into rounds: the gradient sync's and the re-layout's.
 
-Every tensor is all-reduced over the devices that hold it across pipelines. With
-TP > 1 each holder is a TP mesh and rank ``t`` of one mesh holds the same shard as
-rank ``t`` of every other, so the tensor yields one group per TP index ``t``:
-``{mesh[t] for mesh in holders}`` (replicated tensors, such as norms, are
-synced the same way; TP ranks of a stage compute identical gradients for them).
-Tensors sharing a device set are bucketed into one group. Groups that share a
-device cannot run at once, so the conflict graph is coloured and each colour is a
-round of device-disjoint all-reduces. In an even plan the groups are the per-stage
-(per TP index) DP groups, pairwise disjoint: one round, ordinary DP sync.
+Every tensor is all-reduced over the devices that hold it across pipelines, one
+group per TP index (:mod:`chameleon.layout.geometry` buckets the tensors held by
+the same stages). Groups that share a member cannot run at once, so the conflict
+graph is coloured and each colour is a round of disjoint all-reduces. In an even
+plan the groups are the per-stage (per TP index) DP groups, pairwise disjoint: one
+round, ordinary DP sync. The re-layout colours its point-to-point links the same way.
 
 The colouring is our own DSATUR rather than ``networkx.greedy_color``: networkx
 is only a transitive dependency of torch, and an explicit tie-break (saturation,
@@ -21,8 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-
-from chameleon.layout.spec import Layout
 
 
 @dataclass(frozen=True)
@@ -60,43 +55,8 @@ def dsatur(adjacency: Sequence[Collection[int]]) -> list[int]:
     return colours
 
 
-def sync_groups(layout: Layout) -> tuple[SyncGroup, ...]:
-    """One group per distinct holder set (per TP index), in order of first tensor, then TP index.
-
-    Tensors held by a single device need no sync and yield no group.
-
-    Raises:
-        ValueError: holders of one tensor have different TP sizes (their shards do not line up).
-    """
-    buckets: dict[tuple[int, ...], list[str]] = {}
-    for spec in layout.values():
-        tps = {len(h.devices) for h in spec.holders}
-        if len(tps) > 1:
-            raise ValueError(f"holders of {spec.name!r} have TP sizes {sorted(tps)}: gradient sync needs one TP size")
-        for t in range(tps.pop() if tps else 0):
-            devices = tuple(sorted(h.devices[t] for h in spec.holders))
-            if len(devices) > 1:
-                buckets.setdefault(devices, []).append(spec.name)
-    return tuple(SyncGroup(devices, tuple(names)) for devices, names in buckets.items())
-
-
-def sync_rounds(layout: Layout) -> tuple[tuple[SyncGroup, ...], ...]:
-    """The sync groups coloured into rounds of device-disjoint all-reduces, in a fixed order.
-
-    Every rank runs the rounds in this order and, within a round, the groups in
-    :func:`sync_groups` order, so process groups and collectives line up everywhere.
-    """
-    groups = sync_groups(layout)
-    colours = conflict_colours([g.devices for g in groups])
-    n_rounds = max(colours, default=-1) + 1
-    return tuple(tuple(g for g, c in zip(groups, colours) if c == r) for r in range(n_rounds))
-
-
 def conflict_colours(groups: Sequence[Collection[int]]) -> list[int]:
-    """:func:`dsatur` colours of groups (sets of members, in priority order) that conflict when they share one.
-
-    The runtime colours its sync groups with it, and the estimator the same groups of a plan.
-    """
+    """:func:`dsatur` colours of groups (sets of members, in priority order) that conflict when they share one."""
     by_member: dict[int, list[int]] = {}
     for i, members in enumerate(groups):
         for m in members:

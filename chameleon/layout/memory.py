@@ -1,60 +1,45 @@
 """Bytes a plan needs on each device (the paper's Eq. 14): the one memory model of Chameleon.
 
 Config validation (with costs counted from the model's shapes) and the decision
-centre (with costs from a profile) both call :func:`plan_memory`, and every byte
-count per element comes from the constants here.
+centre (with costs from a profile) both call :func:`plan_memory`; the bytes per
+element of the state come from :class:`chameleon.layout.geometry.StateBytes`.
 
 A stage keeps its parameters, their gradients and optimizer state, plus the
 activations of the micro-batches in flight under 1F1B: ``min(n_stages − s, m)``
 on stage ``s`` of a pipeline with ``m`` micro-batches, more on a reroute host,
-which also keeps those of every pipeline it serves. Transformer layers are
-sharded over a stage's TP group; the embedding and the head are replicated.
+which also keeps those of every pipeline it serves. What one device of a stage
+holds is the geometry's (:func:`chameleon.layout.geometry.per_device`): a shard of
+each transformer layer, the embedding and the head whole.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from chameleon.layout.geometry import UnitParams, per_device
 from chameleon.layout.plan import Plan
-
-ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
-"""Bytes per element of each compute dtype (``train.dtype``)."""
-MOMENT_BYTES = 2 * ELEMENT_BYTES["fp32"]
-"""Bytes per parameter of AdamW's two fp32 moments."""
-MIGRATE_BYTES = ELEMENT_BYTES["fp32"] + MOMENT_BYTES
-"""Bytes per parameter a device fetches to take one over: its fp32 weight and two moments."""
-
-
-def state_bytes_per_param(dtype: str) -> int:
-    """Resident bytes per parameter: fp32 weight, fp32 gradient, two moments, plus a compute copy in ``dtype``."""
-    if dtype not in ELEMENT_BYTES:
-        raise ValueError(f"train.dtype={dtype!r}: use one of {sorted(ELEMENT_BYTES)}")
-    copy = 0 if dtype == "fp32" else ELEMENT_BYTES[dtype]
-    return 2 * ELEMENT_BYTES["fp32"] + MOMENT_BYTES + copy
 
 
 @dataclass(frozen=True)
 class MemoryCosts:
     """What the parts of a stage cost in memory, whole (before TP sharding).
 
-    ``*_params`` are element counts of one transformer layer, the embedding
-    (first stage) and the head (last stage); ``*_act_bytes`` are the bytes of
-    activations each keeps per micro-batch until its backward.
+    ``params`` are element counts of one transformer layer, the embedding (first
+    stage) and the head (last stage); ``acts`` the bytes of activations each keeps
+    per micro-batch until its backward; ``state_bytes_per_param`` what a device keeps
+    per parameter it holds (:attr:`~chameleon.layout.geometry.StateBytes.resident`,
+    plus any redundant copy a simulated baseline keeps).
     """
 
-    layer_params: float
-    first_params: float
-    last_params: float
-    layer_act_bytes: float
-    first_act_bytes: float
-    last_act_bytes: float
+    params: UnitParams
+    acts: UnitParams
     state_bytes_per_param: float
 
 
 def stage_memory(costs: MemoryCosts, n_layers: int, *, first: bool, last: bool, in_flight: int, tp: int = 1) -> float:
     """Bytes one device of a ``tp``-wide stage needs with ``in_flight`` micro-batches of activations."""
-    params = n_layers * costs.layer_params / tp + first * costs.first_params + last * costs.last_params
-    acts = n_layers * costs.layer_act_bytes / tp + first * costs.first_act_bytes + last * costs.last_act_bytes
+    params = per_device(costs.params, n_layers, first=first, last=last, tp=tp)
+    acts = per_device(costs.acts, n_layers, first=first, last=last, tp=tp)
     return params * costs.state_bytes_per_param + in_flight * acts
 
 

@@ -28,7 +28,7 @@ import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from chameleon.layout.memory import MIGRATE_BYTES
+from chameleon.layout.geometry import MIGRATE_BYTES, LostStateError
 from chameleon.layout.plan import Plan, validate_plan
 from chameleon.layout.spec import (
     Layout,
@@ -38,9 +38,6 @@ from chameleon.layout.spec import (
     intersect,
     region_numel,
 )
-
-class LostStateError(RuntimeError):
-    """No survivor holds some region the new layout needs: only a checkpoint can restore it."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from chameleon.layout.memory import ELEMENT_BYTES, MemoryCosts, state_bytes_per_param
+from chameleon.layout.geometry import ELEMENT_BYTES, UnitParams, state_bytes
+from chameleon.layout.memory import MemoryCosts
 from chameleon.layout.plan import Plan
 from chameleon.layout.spec import Layout, Rules, layout_of
 from chameleon.model.config import ModelConfig
@@ -224,13 +225,13 @@ class ModelSpec:
         selected = shapes if names is None else names
         return bytes_per_elem * sum(math.prod(shapes[n]) for n in selected)
 
-    def unit_params(self, cfg: ModelConfig) -> tuple[int, int, int]:
+    def unit_params(self, cfg: ModelConfig) -> UnitParams:
         """Parameter counts of one layer, the embedding (first stage) and the head (last stage)."""
         count = partial(self.param_bytes, cfg, bytes_per_elem=1)
         layer = count(self.stage_param_names(cfg, (0, 1), first=False, last=False))
         first = count(self.stage_param_names(cfg, (0, 0), first=True, last=False))
         last = count(self.stage_param_names(cfg, (0, 0), first=False, last=True))
-        return layer, first, last
+        return UnitParams(layer, first, last)
 
     def memory_costs(self, cfg: ModelConfig, *, micro_batch: int, seq_len: int, dtype: str = "fp32") -> MemoryCosts:
         """Memory of a stage's parts, counted from the shapes, with ``train.dtype`` activations.
@@ -238,15 +239,12 @@ class ModelSpec:
         A layer keeps :attr:`activation_elems` of the math SDPA path; the head keeps its
         normed input and logits in ``dtype`` and the fp32 log-probabilities.
         """
-        layer, first, last = self.unit_params(cfg)
         tokens, elem = micro_batch * seq_len, ELEMENT_BYTES[dtype]
-        return MemoryCosts(
-            layer_params=layer, first_params=first, last_params=last,
-            layer_act_bytes=elem * self.activation_elems(cfg, micro_batch=micro_batch, seq_len=seq_len, flash=False),
-            first_act_bytes=0,
-            last_act_bytes=tokens * (elem * (cfg.dim + cfg.vocab_size) + ELEMENT_BYTES["fp32"] * cfg.vocab_size),
-            state_bytes_per_param=state_bytes_per_param(dtype),
+        acts = UnitParams(
+            layer=elem * self.activation_elems(cfg, micro_batch=micro_batch, seq_len=seq_len, flash=False), first=0,
+            last=tokens * (elem * (cfg.dim + cfg.vocab_size) + ELEMENT_BYTES["fp32"] * cfg.vocab_size),
         )
+        return MemoryCosts(self.unit_params(cfg), acts, state_bytes(dtype).resident)
 
     def layout(self, cfg: ModelConfig, plan: Plan) -> Layout:
         """Every parameter of the model under ``plan``, sharded by :attr:`tp_rules`."""

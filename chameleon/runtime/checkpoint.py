@@ -16,9 +16,9 @@ On disk, under ``root``::
         COMPLETE         written last; its mtime dates the checkpoint
 
 Each tensor is stored exactly once: one device per distinct shard of the first
-holder (:func:`writers`), so the stored regions tile every tensor. A loader asks
-for any regions (any TP degree, any pipeline split) and :func:`load_regions`
-assembles each one from the stored shards it intersects.
+holder (:func:`chameleon.layout.geometry.writers`), so the stored regions tile
+every tensor. A loader asks for any regions (any TP degree, any pipeline split)
+and :func:`load_regions` assembles each one from the stored shards it intersects.
 
 Every file is written to a temporary name, fsynced and renamed into place, so a
 file is either whole or absent. File names carry the writer's generation, so a
@@ -44,16 +44,13 @@ from typing import IO, Any
 import torch
 from torch import Tensor
 
-from chameleon.layout.relayout import LostStateError
 from chameleon.layout.spec import (
-    Layout,
     Region,
     contains,
     intersect,
     local_slices,
     region_numel,
     region_shape,
-    shard_region,
 )
 
 FORMAT = 1
@@ -88,32 +85,6 @@ class CheckpointInfo:
     committed_steps: int
     age_s: float
     config_digest: str
-
-
-def writers(layout: Layout) -> dict[int, dict[str, Region]]:
-    """Who writes what: each tensor's distinct non-empty shards on its first holder.
-
-    The first holder's shards tile a tensor, so the writers' regions cover every
-    tensor exactly once; a replicated tensor is written by the holder's first device.
-
-    Returns:
-        ``{device: {name: region}}``, devices that write nothing left out.
-
-    Raises:
-        LostStateError: a tensor has no holder, so no checkpoint of this layout is whole.
-    """
-    out: dict[int, dict[str, Region]] = {}
-    for spec in layout.values():
-        if not spec.holders:
-            raise LostStateError(f"no device holds {spec.name}: a checkpoint of this layout would lack it")
-        holder = spec.holders[0]
-        written: set[Region] = set()
-        for t, device in enumerate(holder.devices):
-            region = shard_region(spec.shape, holder.placements, t, len(holder.devices))
-            if region_numel(region) and region not in written:
-                written.add(region)
-                out.setdefault(device, {})[spec.name] = region
-    return out
 
 
 def checkpoint_root(ckpt, run_dir: str | Path) -> Path:
@@ -165,7 +136,7 @@ class CheckpointWriter:
             shards: per kind, the local shard of every tensor in ``regions``; cloned
                 before returning, so training may update them at once.
             regions: the global region of each tensor this device writes (its part of
-                :func:`writers`).
+                :func:`chameleon.layout.geometry.writers`).
             committed_steps: committed optimizer steps in this state.
 
         Returns:
@@ -251,7 +222,7 @@ def commit_checkpoint(
     Args:
         root: the checkpoint root.
         step: the step being committed.
-        expected_devices: every writer of this step (the keys of :func:`writers`).
+        expected_devices: every writer of this step (the keys of :func:`chameleon.layout.geometry.writers`).
         generation: the generation the writers saved in (it names their files).
         shapes: global shape of every tensor; the stored regions must tile each exactly.
         config: JSON-serialisable config the state belongs to, stored with its digest.

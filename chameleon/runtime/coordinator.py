@@ -2,6 +2,8 @@
 
 It calls the decision centre (selector, planner, estimator) and the layout code
 only; it touches no process and no store. The controller publishes what it returns.
+Which devices a new plan may use is the selector's reading of the resident plan's
+geometry: every live device, survivors of broken TP stages regrouped into units.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ from chameleon.decision.profiler import Profile
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.measured import Measured
 from chameleon.decision.selector import Decision, decide, decide_growth
+from chameleon.layout.geometry import writers
 from chameleon.layout.plan import Plan
 from chameleon.layout.relayout import Manifest, relayout
 from chameleon.layout.spec import Layout
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
-from chameleon.runtime.checkpoint import writers
 from chameleon.runtime.errors import TrainingError
 
 
@@ -102,12 +104,12 @@ class Coordinator:
         names, or from initialisation when it is empty.
 
         Raises:
-            TrainingError: no candidate is feasible (every replica of some layer lost, no checkpoint).
+            TrainingError: no candidate is feasible (some region lost with no checkpoint, says which).
         """
         failed = set(resident.devices) - alive
         decision = decide(
             self.profile, resident, failed, policy=self.policy, planner=self.planner, precomputed=precomputed,
-            fault_times=fault_times, elapsed_s=elapsed_s, spares=_units(resident, alive - set(resident.devices)),
+            fault_times=fault_times, elapsed_s=elapsed_s, idle=alive - set(resident.devices),
             measured=measured, **self._fallback(resident, saved, now),
         )
         chosen = decision.chosen
@@ -132,23 +134,16 @@ class Coordinator:
 
         Its ``resume_step`` is left to the caller: the step after the commit it switches at.
         """
-        units = _units(resident, joining | (alive - set(resident.devices)))
-        decision = decide_growth(self.profile, resident, units, policy=self.policy, planner=self.planner,
+        idle = joining | (alive - set(resident.devices))
+        decision = decide_growth(self.profile, resident, idle, policy=self.policy, planner=self.planner,
                                  fault_times=fault_times, elapsed_s=elapsed_s, measured=measured,
                                  **self._fallback(resident, saved, now))
         if decision.choice != "grow":
             return decision
-        members = alive | set(d for unit in units for d in unit)
-        plan = decision.chosen.plan
+        plan, members = decision.chosen.plan, alive | joining
         manifest = relayout(self.layout(resident), self.layout(plan), survivors=sorted(members))
         return self._transition(decision, plan, members, None, manifest, None)
 
     def _transition(self, decision, plan, members, resume_step, manifest, checkpoint) -> Transition:
         return Transition(decision, plan, tuple(sorted(members)), resume_step, manifest, checkpoint)
 
-
-def _units(plan: Plan, devices: set[int]) -> list[tuple[int, ...]]:
-    """``devices`` as stage units of ``plan``'s TP width, in id order (a partial group is left out)."""
-    tp = max(st.tp for p in plan.pipelines for st in p.stages if st.devices)
-    ordered = sorted(devices)
-    return [tuple(ordered[i:i + tp]) for i in range(0, len(ordered) - len(ordered) % tp, tp)]

@@ -33,9 +33,10 @@ from pathlib import Path
 from chameleon.config import Config, world_size
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.measured import Measured, plan_shape
-from chameleon.decision.planner import Planner, precompute, stage_units
+from chameleon.decision.planner import Planner, precompute
 from chameleon.decision.profiler import Profile
 from chameleon.decision.selector import Decision
+from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Plan
 from chameleon.layout.relayout import Manifest, manifest_parts
 from chameleon.optim import learning_rate, schedule_of
@@ -698,8 +699,8 @@ class Core:
 
     def _likely_losses(self) -> set[int]:
         """How many stage units of the resident plan the likely next faults take: one device's, one node's."""
-        tp = max(st.tp for p in self.resident.pipelines for st in p.stages)
-        return {1, max(1, self.per_node // tp)} if self.launcher.nnodes > 1 else {1}
+        width = geometry_of(self.resident).width
+        return {1, max(1, self.per_node // width)} if self.launcher.nnodes > 1 else {1}
 
     def _precomputed_for(self, devices: set[int]) -> Plan | None:
         """The precomputed shape for what survives, placed; None when none was searched for it, or its search
@@ -709,7 +710,7 @@ class Core:
             self.growth = None
         if self.precomputed is None or self.precomputed[0] is not self.resident or not self.precomputed[1].done():
             return None
-        units = stage_units(self.resident, set(self.resident.devices) - self.alive)
+        units = geometry_of(self.resident).units(self.alive)  # the units the selector re-plans onto
         try:
             return self.precomputed[1].result().plan_for(units, self.resident, self.profile)
         except Exception:  # noqa: BLE001 - a failed precompute is a missing one

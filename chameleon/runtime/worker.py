@@ -38,14 +38,14 @@ import torch
 
 from chameleon.config import Config
 from chameleon.data.stream import SampleStream
-from chameleon.layout.colouring import sync_rounds
+from chameleon.layout.geometry import geometry_of, sync_rounds, writers
 from chameleon.layout.plan import Plan
 from chameleon.layout.schedule import executors, step_actions
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
 from chameleon.runtime import codec
 from chameleon.runtime.beacon import Beacon
-from chameleon.runtime.checkpoint import CheckpointWriter, checkpoint_root, latest_checkpoint, load_regions, writers
+from chameleon.runtime.checkpoint import CheckpointWriter, checkpoint_root, latest_checkpoint, load_regions
 from chameleon.runtime.comm import ABANDONED, BACKENDS, Generation, PeerFailure, connect_store, store_ops
 from chameleon.runtime.device import is_device_fault, prepare_device
 from chameleon.runtime.downlink import Inbox
@@ -238,8 +238,8 @@ def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> Non
             generation, previous = order.switch_to, gen  # every group is quiescent: the next keeps what it can
             continue
         if order is None and state is not None and cfg.output.save_params:
-            layout = spec_of(model).layout(model, gen_spec.plan)
-            mine = {n: shard for n, shard in state.shards().items() if me in layout[n].holders[0].devices}
+            written = writers(spec_of(model).layout(model, gen_spec.plan)).get(me, {})
+            mine = {n: shard for n, shard in state.shards().items() if n in written}
             uplink.send(FinalShards(me, generation, mine))
         break
     beacon.at("done")
@@ -251,7 +251,7 @@ def plan_groups(model: ModelConfig, spec: GenerationSpec) -> list[tuple[int, ...
     exchange activations (its step's 1F1B) or state (its manifest)."""
     plan = spec.plan
     layout = spec_of(model).layout(model, plan)
-    groups = {g.devices for groups in sync_rounds(layout) for g in groups}
+    groups = {g.devices for groups in sync_rounds(geometry_of(plan), layout) for g in groups}
     groups |= {st.devices for pipe in plan.pipelines for st in pipe.stages if st.tp > 1}
     for j, pipe in enumerate(plan.pipelines):
         for s in range(1, pipe.n_stages):
@@ -308,7 +308,7 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
         return _idle(gen_spec, gen=gen, pushed=pushed, steps=train.steps, faults=faults)
     role = role_of(plan, me)
     layout = spec_of(model).layout(model, plan)
-    rounds = sync_rounds(layout)
+    rounds = sync_rounds(geometry_of(plan), layout)
     tp = spec_of(model).tp_ops(partial(gen.all_reduce, members=role.spec.devices)) if role.spec.tp > 1 else None
     actions = step_actions(plan)[me]
     saver = _Saver(cfg, layout, gen=gen, uplink=uplink, run_dir=run_dir)

@@ -13,7 +13,9 @@ estimator through :class:`Planning`. Chameleon's policies are the selector
 
 Like the runtime, they write asynchronous checkpoints (the engine's Young/Daly
 writes, training on while they land) and fall back on the newest one when a
-fault leaves a layer with no replica; the selector knows its age and interval.
+fault leaves some region of the state with no holder; the selector knows its age
+and interval. Who holds what, and which live devices form units, is the plan's
+geometry (:mod:`chameleon.layout.geometry`), as in the runtime.
 The baselines from other papers live in :mod:`chameleon.sim.baselines`.
 Plans for ``n`` survivors are searched once per ``n`` (the planner's precompute)
 and only re-placed afterwards, so the search costs no simulated time.
@@ -26,9 +28,10 @@ from dataclasses import dataclass, replace
 
 from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
-from chameleon.decision.planner import Planner, place, refill, stage_units
+from chameleon.decision.planner import Planner, place, refill
 from chameleon.decision.profiler import Profile
 from chameleon.decision.selector import decide, decide_growth
+from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage
 
 Units = list[tuple[int, ...]]
@@ -137,20 +140,6 @@ class Planning:
         return None if shape is None else refill(shape, units)
 
 
-def units_of(devices, tp: int) -> Units:
-    """Devices grouped into TP units of ``tp`` consecutive ids (a partial group is dropped)."""
-    ids = sorted(devices)
-    return [tuple(ids[k:k + tp]) for k in range(0, len(ids) - len(ids) % tp, tp)]
-
-
-def lost_layers(plan: Plan, failed: set[int]) -> bool:
-    """Whether some layer has no live holder left once ``failed`` are gone (its state is lost)."""
-    alive = set()
-    for p in plan.pipelines:
-        for st in p.stages:
-            if st.devices and not failed & set(st.devices):
-                alive.update(range(*st.layers))
-    return len(alive) < plan.n_layers
 
 
 def rebuild_response(planning: Planning, old: Plan, new: Plan | None, choice: str, *, extra_s: float = 0.0) -> Response:
@@ -204,15 +193,14 @@ class ChameleonPolicy(Policy):
         return replace(policy, name=self.SELECTOR[self.name], fixed_d_s=next_fault_s if self.name == "oracle" else policy.fixed_d_s)
 
     def on_fault(self, plan: Plan, fault: Fault) -> Response:
-        failed = set(fault.failed)
-        spares = self._spares(plan, fault.dead)
-        units = stage_units(plan, failed) + spares
+        failed, idle = set(fault.failed), self._idle(plan, fault.dead)
+        units = geometry_of(plan).units((set(plan.devices) - failed) | idle)
         pre = self.planning.best(units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size, previous=plan) if units else None
         decision = decide(
             self.planning.profile, plan, failed, policy=self._config(fault.next_fault_s), planner=self.planning.planner,
             fault_times=list(fault.fault_times), elapsed_s=fault.now_s, precomputed=pre,
             checkpoint_age_s=fault.checkpoint_age_s, checkpoint_interval_s=fault.checkpoint_interval_s,
-            domains=self._domains(fault.dead), in_process=True, spares=spares,
+            domains=self._domains(fault.dead), in_process=True, idle=idle,
         )
         chosen = decision.chosen
         if chosen is None:
@@ -221,9 +209,9 @@ class ChameleonPolicy(Policy):
         pause = chosen.transition - chosen.transition_parts.get("lost_progress", 0.0)
         return Response(chosen.plan, pause, chosen.t_step, chosen.name, decision.d_s, rollback=reload)
 
-    def _spares(self, plan: Plan, dead) -> Units:
-        """Live devices ``plan`` leaves idle, as stage units."""
-        return units_of(set(range(self.setup.n_devices)) - set(dead) - set(plan.devices), _tp_of(plan))
+    def _idle(self, plan: Plan, dead) -> set[int]:
+        """Live devices ``plan`` leaves idle."""
+        return set(range(self.setup.n_devices)) - set(dead) - set(plan.devices)
 
     def _domains(self, dead) -> tuple[tuple[int, ...], ...] | None:
         """The live devices of each fault domain of the setup (None: every device alone)."""
@@ -233,15 +221,15 @@ class ChameleonPolicy(Policy):
 
     def on_rejoin(self, plan: Plan, rejoin: Rejoin) -> Response | None:
         """Refill rerouted stages with returned units, else grow onto all of them when the selector says it pays."""
-        spares = self._spares(plan, rejoin.dead)
-        new = refill_rerouted(plan, spares)[0]
+        idle, geometry = self._idle(plan, rejoin.dead), geometry_of(plan)
+        new = refill_rerouted(plan, geometry.units(idle))[0]
         if new is None and self.name != "reroute":
             policy = replace(self._config(rejoin.next_fault_s), name="chameleon")  # forced ones grow only when it pays too
             decision = decide_growth(
-                self.planning.profile, plan, spares, policy=policy, planner=self.planning.planner,
+                self.planning.profile, plan, idle, policy=policy, planner=self.planning.planner,
                 fault_times=list(rejoin.fault_times), elapsed_s=rejoin.now_s, checkpoint_age_s=rejoin.checkpoint_age_s,
                 checkpoint_interval_s=rejoin.checkpoint_interval_s, domains=self._domains(rejoin.dead), in_process=True,
-                precomputed=self.planning.best(stage_units(plan) + spares, n_micro=plan.n_micro_batches,
+                precomputed=self.planning.best(geometry.units(set(plan.devices) | idle), n_micro=plan.n_micro_batches,
                                                micro_batch_size=plan.micro_batch_size, previous=plan),
             )
             new = decision.chosen.plan if decision.choice == "grow" else None
@@ -271,7 +259,3 @@ def refill_rerouted(plan: Plan, spares: Units) -> tuple[Plan | None, Units]:
 def _stage_tp(plan: Plan, stage: int) -> int:
     """TP width of stage ``stage`` in the pipelines that still have it."""
     return max(p.stages[stage].tp for p in plan.pipelines if stage < p.n_stages)
-
-
-def _tp_of(plan: Plan) -> int:
-    return max(st.tp for p in plan.pipelines for st in p.stages)

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from chameleon.decision.planner import stage_units
 from chameleon.decision.profiler import Profile
+from chameleon.layout.geometry import geometry_of, tp_units
 from chameleon.layout.plan import Pipeline, Plan, Stage
-from chameleon.sim.policies import Fault, Planning, Policy, Rejoin, Response, units_of
+from chameleon.sim.policies import Fault, Planning, Policy, Rejoin, Response
 
 
 def bubble_hidden(profile: Profile, n_stages: int, n_micro: int) -> float:
@@ -46,10 +46,7 @@ def bubble_hidden(profile: Profile, n_stages: int, n_micro: int) -> float:
 
 def redundant_profile(profile: Profile, *, hidden: float) -> Profile:
     """Forward ``(2 − hidden)×``; each layer's state also held once more as the shadow (weights + optimizer)."""
-    return replace(
-        profile, layer_fwd_s=profile.layer_fwd_s * (2.0 - hidden),
-        optim_bytes_per_elem=2 * profile.optim_bytes_per_elem + profile.bytes_per_elem,
-    )
+    return replace(profile, layer_fwd_s=profile.layer_fwd_s * (2.0 - hidden), shadow_bytes_per_param=profile.state.moved)
 
 
 def failover(plan: Plan, j: int, s: int) -> Plan:
@@ -73,7 +70,7 @@ class BambooPolicy(Policy):
 
     def start(self) -> Plan:
         base, plan = self.setup.planning, self.setup.plan
-        units = stage_units(plan)
+        units = geometry_of(plan).units(plan.devices)
         options = []
         for pp in base.planner.splits:
             dp = len(units) // pp
@@ -93,8 +90,7 @@ class BambooPolicy(Policy):
 
     def _full_pipelines(self, plan: Plan, dead: frozenset[int]) -> Plan | None:
         """As many pipelines of the fixed depth as the live devices allow, micro-batches spread evenly."""
-        tp = max(st.tp for p in plan.pipelines for st in p.stages)
-        units = units_of(set(range(self.setup.n_devices)) - dead, tp)
+        units = tp_units(set(range(self.setup.n_devices)) - dead, geometry_of(plan).width)
         dp = min(len(units) // self.depth, plan.n_micro_batches)
         if dp == 0:
             return None

@@ -24,8 +24,9 @@ Left out: asynchronous or in-memory checkpoints (Gemini, CheckFreq), which shrin
 from __future__ import annotations
 
 from chameleon.decision import estimator as est
+from chameleon.layout.geometry import geometry_of, tp_units
 from chameleon.layout.plan import Plan
-from chameleon.sim.policies import Fault, Policy, Rejoin, Response, units_of
+from chameleon.sim.policies import Fault, Policy, Rejoin, Response
 
 
 class CheckpointPolicy(Policy):
@@ -37,8 +38,8 @@ class CheckpointPolicy(Policy):
         return self._even(self.setup.plan, set(self.setup.plan.devices)) or self.setup.plan
 
     def _even(self, plan: Plan, alive: set[int]) -> Plan | None:
-        tp = max(st.tp for p in plan.pipelines for st in p.stages)
-        return self.planning.best_even(units_of(alive, tp), n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
+        units = tp_units(alive, geometry_of(plan).width)
+        return self.planning.best_even(units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
 
     def on_fault(self, plan: Plan, fault: Fault) -> Response:
         alive = set(range(self.setup.n_devices)) - fault.dead

@@ -19,9 +19,9 @@ torchft on 96 NPUs.
 
 from __future__ import annotations
 
-from chameleon.decision.planner import stage_units
+from chameleon.layout.geometry import geometry_of, tp_units
 from chameleon.layout.plan import Plan
-from chameleon.sim.policies import Fault, Policy, Rejoin, Response, units_of
+from chameleon.sim.policies import Fault, Policy, Rejoin, Response
 
 
 class ElasWavePolicy(Policy):
@@ -34,11 +34,11 @@ class ElasWavePolicy(Policy):
         return Response(new, self.setup.sim.elaswave.communicator_s, self.planning.t_step(new), choice)
 
     def on_fault(self, plan: Plan, fault: Fault) -> Response:
-        return self._replan(plan, stage_units(plan, set(fault.failed)), "reshard")
+        return self._replan(plan, geometry_of(plan).units(set(plan.devices) - fault.failed), "reshard")
 
     def on_rejoin(self, plan: Plan, rejoin: Rejoin) -> Response | None:
-        tp = max(st.tp for p in plan.pipelines for st in p.stages)
-        units = stage_units(plan) + units_of(set(rejoin.back), tp)
+        geometry = geometry_of(plan)
+        units = geometry.units(plan.devices) + tp_units(rejoin.back, geometry.width)
         response = self._replan(plan, units, "rejoin")
         if response.plan is None or response.plan.global_batch / response.t_step <= plan.global_batch / self.t_step(plan):
             return None

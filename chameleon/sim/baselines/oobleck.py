@@ -42,10 +42,11 @@ import math
 from dataclasses import dataclass
 
 from chameleon.decision import estimator as est
-from chameleon.decision.planner import Split, stage_units
+from chameleon.decision.planner import Split
 from chameleon.decision.profiler import Profile
+from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Pipeline, Plan, Stage
-from chameleon.sim.policies import Fault, Policy, Response, lost_layers
+from chameleon.sim.policies import Fault, Policy, Response
 
 
 @dataclass(frozen=True)
@@ -137,19 +138,26 @@ def build(n_layers: int, micro_batch_size: int, groups: list[tuple], templates: 
 
 
 def copy_time(profile: Profile, old: Plan, new: Plan) -> float:
-    """``_copy_model_states``: each missing unit's weights broadcast by its first surviving holder in ``old``."""
-    before, after = est.held_params(old), est.held_params(new)
+    """``_copy_model_states``: each missing unit's weights broadcast by its first surviving holder in ``old``.
+
+    Whole units, as Oobleck copies them: a device lacking any of a unit's shard gets
+    its shard's weights (a layer's ``1/tp``, the embedding or head whole).
+    """
+    before, after, n = geometry_of(old), geometry_of(new), new.n_layers
+    first_holder: dict[int, int | None] = {}
+    for bucket in before.buckets:
+        sender = next((d for k in bucket.stages for d in before.stages[k].devices if d in after.seat), None)
+        first_holder.update(dict.fromkeys(bucket.units, sender))
     sent: dict[int, float] = {}
     received: dict[int, float] = {}
-    for unit in range(-1, new.n_layers + 1):
-        receivers = [d for d, units in after.items() if unit in units and unit not in before.get(d, set())]
-        if not receivers:
-            continue
-        nbytes = est.unit_params(profile, new.n_layers, unit) / profile.tp * profile.bytes_per_elem
-        sender = next(d for p in old.pipelines for st in p.stages for d in st.devices[:1] if d in after and unit in before.get(d, ()))
-        sent[sender] = sent.get(sender, 0.0) + nbytes
-        for d in receivers:
-            received[d] = received.get(d, 0.0) + nbytes
+    for d in after.seat:
+        need, have = after.holding(d), before.holding(d)
+        for unit in range(need.lo, need.hi):
+            if have is None or not have.lo <= unit < have.hi:
+                nbytes = profile.units.of(unit, n) / (profile.tp if 0 <= unit < n else 1) * profile.state.weight
+                sender = first_holder[unit]
+                sent[sender] = sent.get(sender, 0.0) + nbytes
+                received[d] = received.get(d, 0.0) + nbytes
     busiest = max([*sent.values(), *received.values()], default=0.0)
     return busiest / profile.dp_bw
 
@@ -180,7 +188,7 @@ class OobleckPolicy(Policy):
 
     def start(self) -> Plan:
         plan = self.setup.plan
-        nodes = sorted(stage_units(plan))
+        nodes = sorted(geometry_of(plan).units(plan.devices))
         need = self.setup.sim.oobleck.fault_threshold + 1
         best = None
         for sizes in _partitions(len(nodes), sorted(self.templates)):
@@ -204,7 +212,7 @@ class OobleckPolicy(Policy):
     def on_fault(self, plan: Plan, fault: Fault) -> Response:
         groups = [tuple(n for n in g if not fault.failed & set(n)) for g in self.groups]
         groups = reinstantiate([g for g in groups if g], self.n0)
-        new = self._plan(groups, plan) if groups and not lost_layers(plan, set(fault.failed)) else None
+        new = self._plan(groups, plan) if groups and not geometry_of(plan).lost(fault.failed) else None
         if new is None:
             return Response(None, 0.0, float("inf"), "halt")
         self.groups = groups

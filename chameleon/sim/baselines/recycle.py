@@ -37,11 +37,11 @@ from __future__ import annotations
 from collections import Counter
 
 from chameleon.decision import estimator as est
-from chameleon.decision.planner import stage_units
 from chameleon.decision.selector import reroute_plan
 from chameleon.decision.profiler import Profile
+from chameleon.layout.geometry import geometry_of, tp_units
 from chameleon.layout.plan import Plan, PlanError
-from chameleon.sim.policies import Fault, Planning, Policy, Rejoin, Response, lost_layers, rebuild_response, refill_rerouted, units_of
+from chameleon.sim.policies import Fault, Planning, Policy, Rejoin, Response, rebuild_response, refill_rerouted
 
 
 def device_work(profile: Profile, plan: Plan) -> dict[tuple[int, int], float]:
@@ -66,9 +66,9 @@ def bound_step(profile: Profile, plan: Plan) -> float:
     out = 0.0
     for (j, s), seconds in work.items():
         p = plan.pipelines[j]
-        params = est.stage_params(profile, p.stages[s].n_layers, first=s == 0, last=s == p.n_stages - 1)
+        params = est.device_params(profile, p.stages[s].n_layers, first=s == 0, last=s == p.n_stages - 1)
         sync = est.allreduce_time(profile, holders[s], params)
-        out = max(out, seconds + sync + params / profile.tp * profile.optimizer_s_per_param)
+        out = max(out, seconds + sync + params * profile.optimizer_s_per_param)
     return out
 
 
@@ -86,7 +86,7 @@ class RecyclePolicy(Policy):
 
     def start(self) -> Plan:
         plan = self.setup.plan
-        even = self.planning.best_even(stage_units(plan), n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
+        even = self.planning.best_even(geometry_of(plan).units(plan.devices), n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
         if even is None:
             raise ValueError("sim.policies: recycle needs an even plan (equal pipelines) that fits the cluster")
         self.healthy = even
@@ -104,22 +104,22 @@ class RecyclePolicy(Policy):
             fits = False
         if fits:
             return Response(rerouted, est.rebuild_time(profile, rerouted), self.t_step(rerouted), "reroute")
-        tp = max(st.tp for p in plan.pipelines for st in p.stages)
-        alive = units_of(set(range(self.setup.n_devices)) - fault.dead, tp)
+        geometry = geometry_of(plan)
+        alive = tp_units(set(range(self.setup.n_devices)) - fault.dead, geometry.width)
         new = self.planning.best_even(alive, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
-        if new is None or lost_layers(plan, set(fault.failed)):
+        if new is None or geometry.lost(fault.failed):
             return Response(None, 0.0, float("inf"), "halt")
         self.healthy = new
         return rebuild_response(self.planning, plan, new, "restart", extra_s=profile.restart_s)
 
     def on_rejoin(self, plan: Plan, rejoin: Rejoin) -> Response | None:
-        tp = max(st.tp for p in plan.pipelines for st in p.stages)
-        new, _ = refill_rerouted(plan, units_of(set(rejoin.back), tp))
+        tp = geometry_of(plan).width
+        new, _ = refill_rerouted(plan, tp_units(rejoin.back, tp))
         profile = self.planning.profile
         if new is not None:
             pause = est.migration_time(profile, plan, new)[0] + est.rebuild_time(profile, new)
             return Response(new, pause, self.t_step(new), "rejoin")
-        alive = units_of(set(range(self.setup.n_devices)) - rejoin.dead, tp)
+        alive = tp_units(set(range(self.setup.n_devices)) - rejoin.dead, tp)
         bigger = self.planning.best_even(alive, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
         if plan.reroutes or bigger is None or bigger.global_batch / self.t_step(bigger) <= plan.global_batch / self.t_step(plan):
             return None

@@ -22,7 +22,7 @@ below the collective timeout), LocalSGD/DiLoCo modes, and spare groups.
 from __future__ import annotations
 
 from chameleon.decision import estimator as est
-from chameleon.decision.planner import stage_units
+from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Pipeline, Plan
 from chameleon.sim.policies import Fault, Policy, Rejoin, Response, rebuild_response
 
@@ -36,7 +36,7 @@ class TorchftPolicy(Policy):
 
     def start(self) -> Plan:
         plan = self.setup.plan
-        even = self.planning.best_even(stage_units(plan), n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
+        even = self.planning.best_even(geometry_of(plan).units(plan.devices), n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
         if even is None:
             raise ValueError("sim.policies: torchft needs an even plan (equal pipelines) that fits the cluster")
         return even
