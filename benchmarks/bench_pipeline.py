@@ -29,7 +29,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import HOST, TIMEOUT_S, Timings, compare, header, launch, timed
+from _common import TIMEOUT_S, Timings, compare, header, launch, timed
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -40,7 +40,7 @@ from chameleon.layout.plan import Plan, even_plan, micro_batch_ranges
 from chameleon.layout.schedule import step_actions
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
-from chameleon.runtime.comm import Generation, connect_store
+from chameleon.runtime.comm import Generation
 from chameleon.runtime.messages import GenerationSpec
 from chameleon.runtime.schedule import run_step
 from chameleon.runtime.stage import StageState, role_of
@@ -116,7 +116,7 @@ def _worker(rank: int, world: int, store, model: ModelConfig, train: dict, plan:
     # Ours: the worker's data path over one Generation.
     layout = spec.layout(model, plan)
     rounds = sync_rounds(geometry_of(plan), layout)
-    gen = Generation(connect_store=partial(connect_store, HOST, store.port, timeout_s=TIMEOUT_S), generation=0,
+    gen = Generation(connect_store=lambda: store, generation=0,
                      me=rank, backend="gloo", timeout_s=TIMEOUT_S,
                      groups=plan_groups(model, GenerationSpec(0, plan, plan.devices, 0)))
     state = StageState.create(model, role, seed=train.seed, train=train, device=CPU)

@@ -24,7 +24,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from _common import HOST, TIMEOUT_S, Timings, compare, header, launch, timed
+from _common import TIMEOUT_S, Timings, compare, header, launch, timed
 
 from chameleon.config import TrainConfig
 from chameleon.layout.geometry import geometry_of, sync_rounds
@@ -32,7 +32,7 @@ from chameleon.layout.plan import Plan, plan_from_spec, split_layers
 from chameleon.layout.spec import Layout
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
-from chameleon.runtime.comm import Generation, connect_store
+from chameleon.runtime.comm import Generation
 from chameleon.runtime.schedule import sync_gradients
 from chameleon.runtime.stage import StageState, role_of
 
@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, store, model: ModelConfig, plan: Plan, args) 
     layout = spec_of(model).layout(model, plan)
     rounds = sync_rounds(geometry_of(plan), layout)
     units = layer_units(layout)
-    gen = Generation(connect_store=partial(connect_store, HOST, store.port, timeout_s=TIMEOUT_S), generation=0,
+    gen = Generation(connect_store=lambda: store, generation=0,
                      me=rank, backend="gloo", timeout_s=TIMEOUT_S,
                      groups=[g.devices for groups in rounds for g in groups] + [d for d, _ in units])
     state = StageState.create(model, role_of(plan, rank), seed=0, train=TRAIN, device=torch.device("cpu"))

@@ -80,8 +80,10 @@ def execute_manifest(
         ValueError: ``state`` does not match ``manifest.before[me]``.
         StaleTransfer: a buffer came stamped with another generation.
     """
-    before = manifest.before.get(me, {})
     kinds = sorted(state)
+    if me not in manifest.before and me not in manifest.after:  # takes no part: sends, receives and keeps nothing
+        return {kind: {} for kind in kinds}
+    before = manifest.before.get(me, {})
     for kind in kinds:
         shapes = {name: tuple(t.shape) for name, t in state[kind].items()}
         expected = {name: region_shape(region) for name, region in before.items()}
