@@ -54,12 +54,13 @@ from chameleon.runtime.coordinator import Coordinator, SavedState, Transition
 from chameleon.runtime.detector import Detector
 from chameleon.runtime.errors import JobRestart, Preempted, TrainingError
 from chameleon.runtime.faults import FaultSpec, Injector, controller_faults, planned_faults
-from chameleon.runtime.launch import host_identity
+from chameleon.runtime.launch import LaunchError, host_identity
 from chameleon.runtime.ledger import CheckpointComplete, CommitStep, Ledger
 from chameleon.runtime.messages import (
     CheckpointSaved, Done, Dying, Exited, Failed, FinalShards, Hello, Hung, Inject, Lease, Left, Ready, Renew,
     Shutdown, Signal, Standby, Start, Synced, Welcome,
 )
+from chameleon.runtime.preflight import ports_problem
 from chameleon.runtime.wire import AuthError, Link, Listener
 from chameleon.runtime.worker import (
     ALIVE_KEY, END_KEY, LATEST_KEY, CommitOrder, GenerationSpec, commit_key, node_dying_key, spec_key, start_key,
@@ -231,15 +232,18 @@ class Controller:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chameleon-planner")
         self.precomputed: tuple[Plan, Future] | None = None
         self.growth: tuple[Plan, frozenset[int], Future] | None = None
-        self.store = dist.TCPStore(
-            self.launcher["master_addr"], self.launcher["master_port"], is_master=True,
-            timeout=timedelta(seconds=self.launcher["timeout_s"]), wait_for_workers=False,
-        )
-        self.listener = None
-        if self.launcher["nnodes"] > 1:
-            from chameleon.runtime.wire import job_key
+        try:
+            self.store = dist.TCPStore(
+                self.launcher["master_addr"], self.launcher["master_port"], is_master=True,
+                timeout=timedelta(seconds=self.launcher["timeout_s"]), wait_for_workers=False,
+            )
+            self.listener = None
+            if self.launcher["nnodes"] > 1:
+                from chameleon.runtime.wire import job_key
 
-            self.listener = Listener(self.launcher["master_addr"], self.launcher["control_port"], job_key(secret))
+                self.listener = Listener(self.launcher["master_addr"], self.launcher["control_port"], job_key(secret))
+        except (dist.DistNetworkError, OSError) as err:  # a port taken since train.py checked it
+            raise LaunchError(ports_problem(self.launcher) or str(err)) from None
 
     def _cost_model(self, *, devices_per_host: int) -> None:
         """Profile, planner and coordinator for this launch's topology.
@@ -299,7 +303,7 @@ class Controller:
         while len(self.nodes) < self.launcher["nnodes"]:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.launcher["nnodes"])) - set(self.nodes))
-                raise TrainingError(
+                raise LaunchError(
                     f"nodes {missing} did not join within launcher.join_timeout_s={self.launcher['join_timeout_s']:g} s: "
                     f"run the same command with launcher.node_rank=K on each, reaching "
                     f"{self.launcher['master_addr']}:{self.launcher['control_port']}"
@@ -391,7 +395,7 @@ class Controller:
             hello = link.recv() if link.poll(5.0) else None
         except (EOFError, OSError, AuthError) as err:
             hello = None
-            self._refused(f"{link.peer}: {err}")
+            self._refused(f"{link.peer}: {str(err) or 'closed the link before registering'}")
         if not isinstance(hello, Hello):
             link.close()
             return
@@ -401,7 +405,7 @@ class Controller:
             link.send(Shutdown(self.generation, why))
             link.close()
             if self.generation < 0 and "config differs" in why:  # a mistake in how the job was launched
-                raise TrainingError(f"node {hello.node} at {hello.host}: {why}")
+                raise LaunchError(f"node {hello.node} at {hello.host}: {why}")
             return
         node = _Node(hello.node, hello.devices, link=link, pid=hello.pid, host=hello.host, host_id=hello.host_id)
         self.nodes[hello.node] = node

@@ -13,6 +13,7 @@ This authenticates and integrity-protects the control traffic; it does not encry
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -33,6 +34,10 @@ _AGENT, _CONTROLLER = b"agent", b"controller"
 
 class AuthError(ConnectionError):
     """A peer did not prove the job's secret, or a message failed verification."""
+
+
+class SecretMismatch(AuthError):
+    """The controller and this agent do not hold the same secret."""
 
 
 def job_key(secret: str) -> bytes:
@@ -85,17 +90,21 @@ def connect(host: str, port: int, key: bytes, *, timeout_s: float = HANDSHAKE_S)
 
     Raises:
         OSError: the controller cannot be reached.
-        AuthError: the controller refused us, or could not prove the secret itself.
+        SecretMismatch: the controller refused our proof of the secret, or could not prove it itself.
+        AuthError: the peer is no controller (it sent no valid challenge).
     """
     sock = socket.create_connection((host, port), timeout=timeout_s)
     conn = _connection(sock, timeout_s)
     try:
-        challenge = _read(conn, _NONCE, timeout_s, "the controller")
+        challenge = _read(conn, _NONCE, timeout_s, f"{host}:{port}")
         mine = secrets.token_bytes(_NONCE)
         conn.send_bytes(_mac(key, _AGENT, -1, challenge) + mine)
-        answer = _read(conn, _MAC, timeout_s, "the controller")
+        try:
+            answer = _read(conn, _MAC, timeout_s, "the controller")
+        except AuthError:  # it drops a peer whose proof fails
+            raise SecretMismatch(f"the controller at {host}:{port} did not accept our proof of the secret") from None
         if not hmac.compare_digest(answer, _mac(key, _CONTROLLER, -1, mine)):
-            raise AuthError(f"the controller at {host}:{port} does not hold this job's secret")
+            raise SecretMismatch(f"the controller at {host}:{port} does not hold this job's secret")
         _receive_timeout(conn, 0.0)
     except BaseException:
         conn.close()
@@ -153,6 +162,9 @@ class Listener:
         return out
 
     def close(self) -> None:
+        """Stop listening: the accepting thread ends, and a connection attempt from now on is refused."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # close() alone leaves a blocked accept() accepting once more
         self._sock.close()
 
     def _accept_forever(self) -> None:
