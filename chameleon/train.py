@@ -67,22 +67,25 @@ def _job(cfg: DictConfig) -> None:
     except LaunchError as err:
         cli.fail(err)
     print(f"plan ({len(plan.devices)} workers):\n{plan.describe()}", flush=True)
+    ending = None
     try:
         with tensorboard_mirror(run_dir, enabled=cfg.report.tensorboard):
             summary = run_training(to_container(cfg), plan=plan, run_dir=run_dir, secret=secret)
     except LaunchError as err:
-        _stop(cli.refusal(err), cli.EXIT_CONFIG)
+        ending = cli.refusal(err), cli.EXIT_CONFIG
     except JobRestart as err:
-        _stop(f"chameleon: {err}", EXIT_RELAUNCH)
+        ending = f"chameleon: {err}", EXIT_RELAUNCH
     except Preempted as err:
-        _stop(f"chameleon: preempted: {err}", EXIT_PREEMPTED)
+        ending = f"chameleon: preempted: {err}", EXIT_PREEMPTED
     except (TrainingError, CheckpointError, OSError) as err:
-        _stop(f"chameleon: training failed: {err}", EXIT_FAILED)
+        ending = f"chameleon: training failed: {err}", EXIT_FAILED
     except KeyboardInterrupt:
-        _stop("chameleon: interrupted (Ctrl-C); every worker is stopped", EXIT_INTERRUPTED)
+        ending = "chameleon: interrupted (Ctrl-C); every worker is stopped", EXIT_INTERRUPTED
     finally:
         if cfg.report.plots:
             plot_run(run_dir)
+    if ending is not None:
+        _stop(*ending)
     if cfg.output.export_hf:
         import torch
 
@@ -91,6 +94,10 @@ def _job(cfg: DictConfig) -> None:
 
 
 def _stop(line: str, code: int) -> None:
+    """End with ``line`` once every process the run started has exited."""
+    from chameleon.runtime.agent import stop_forkserver
+
+    stop_forkserver()
     print(line, file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -126,7 +133,7 @@ def _check_run_dir(run_dir: Path) -> None:
 
 def _serve_node(cfg: DictConfig) -> int:
     """Run this node's agent (launcher.node_rank ≥ 1) until the job ends; its exit code."""
-    from chameleon.runtime.agent import serve
+    from chameleon.runtime.agent import serve, stop_forkserver
     from chameleon.runtime.launch import job_secret
     from chameleon.runtime.wire import job_key
 
@@ -139,6 +146,7 @@ def _serve_node(cfg: DictConfig) -> int:
         return serve(config, node=launcher.node_rank, master_addr=launcher.master_addr, control_port=launcher.control_port,
                      key=key, node_addr=launcher.node_addr, join_timeout_s=launcher.join_timeout_s)
     except KeyboardInterrupt:
+        stop_forkserver()
         print(f"chameleon agent {launcher.node_rank}: interrupted; its workers are stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import pickle
 import queue
@@ -263,6 +264,15 @@ def forkserver(*, start: bool = False, ready: bool = False):
     return ctx
 
 
+def stop_forkserver() -> None:
+    """Stop the forkserver and multiprocessing's resource tracker, and wait until both have exited.
+
+    Both would leave a moment after this process; a line saying that every process is stopped must be true.
+    """
+    mp.forkserver._forkserver._stop()
+    mp.resource_tracker._resource_tracker._stop()
+
+
 def _running(pid: int) -> bool:
     """True while the kernel shows the process running or runnable (state R).
 
@@ -357,19 +367,21 @@ def _relay(link: Link, welcome: Welcome, *, node: int, master_addr: str, node_ad
     agent.start(welcome.start)
     renewed = sent = time.monotonic()
     outcome = None
-    while outcome is None:
-        if lost:
-            outcome = lost[0]
-        elif time.monotonic() - renewed > lease_s:  # first thing after a stop: never act on a lapsed lease
-            outcome = f"my lease lapsed ({time.monotonic() - renewed:.1f} s without the controller)"
-        else:
-            outcome, renewed = _serve_once(link, agent, renewed)
-            agent.tick()
-            if outcome is None and time.monotonic() - sent >= LEASE_S:
-                sent = time.monotonic()
-                report(Lease(node, agent.generation, agent.positions()))
-    agent.stop(grace_s=0.0)  # fencing kills at once; after a Shutdown the workers are already stopped
-    link.close()
+    try:
+        while outcome is None:
+            if lost:
+                outcome = lost[0]
+            elif time.monotonic() - renewed > lease_s:  # first thing after a stop: never act on a lapsed lease
+                outcome = f"my lease lapsed ({time.monotonic() - renewed:.1f} s without the controller)"
+            else:
+                outcome, renewed = _serve_once(link, agent, renewed)
+                agent.tick()
+                if outcome is None and time.monotonic() - sent >= LEASE_S:
+                    sent = time.monotonic()
+                    report(Lease(node, agent.generation, agent.positions()))
+    finally:  # Ctrl-C included
+        agent.stop(grace_s=0.0)  # fencing kills at once; after a Shutdown the workers are already stopped
+        link.close()
     return outcome
 
 
