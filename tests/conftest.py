@@ -1,4 +1,10 @@
-"""Shared helpers: run ``python -m chameleon.<entry>`` as a real subprocess and read its outputs."""
+"""Shared helpers: run ``python -m chameleon.<entry>`` as a real subprocess and read its outputs; the two tiers.
+
+``python -m pytest -q`` is the fast tier: every unit and property test and a few end-to-end runs (a fault
+recovery decided by Eq. 8, a whole node lost over three loopback hosts, Ctrl-C, each way a start can fail).
+Tests marked ``full`` — every other end-to-end run, cluster and signal test, and the benchmarks' smoke runs —
+are deselected unless ``--full`` is given: ``python -m pytest -q --full`` is the full suite, what CI runs.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,30 @@ import torch.multiprocessing as mp
 
 from benchmarks._processes import lingering
 from chameleon.report.compare import Drift, mismatches
+
+_FULL_LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true", help="the full suite: also the tests marked full (see conftest.py)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without ``--full``, deselect the tests marked ``full`` (pytest counts them as deselected)."""
+    if config.getoption("--full"):
+        return
+    full = [item for item in items if item.get_closest_marker("full")]
+    if full:
+        config.hook.pytest_deselected(items=full)
+        items[:] = [item for item in items if not item.get_closest_marker("full")]
+    config.stash[_FULL_LEFT_OUT] = len(full)
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if config.stash.get(_FULL_LEFT_OUT, 0):
+        terminalreporter.write_line(f"fast tier: {config.stash[_FULL_LEFT_OUT]} tests marked full were deselected; "
+                                    "python -m pytest -q --full runs the full suite")
+
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
 
