@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from benchmarks._loopback import free_port_pair
 from benchmarks._processes import lingering
 from chameleon.report.compare import Drift, mismatches
 
@@ -87,16 +87,10 @@ def run_entry(entry: str, run_dir: Path, *overrides: str, timeout: float = 240, 
     return Run(proc.returncode, out, err, run_dir, proc.pid)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(target: Callable[..., None], world: int, *args, timeout_s: float = 90) -> None:
     """``target(rank, world, port, *args)`` in ``world`` spawned processes (``port`` free for their process group);
     each must exit 0 within ``timeout_s``."""
-    port, ctx = free_port(), mp.get_context("spawn")
+    port, ctx = free_port_pair(), mp.get_context("spawn")
     procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
     try:
         for p in procs:
