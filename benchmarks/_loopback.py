@@ -7,6 +7,7 @@ Shared by the multi-node tests and benchmarks.
 
 from __future__ import annotations
 
+import random
 import secrets
 import socket
 import subprocess
@@ -18,17 +19,28 @@ from typing import Any
 
 
 def free_port_pair() -> int:
-    """A port p with p and p + 1 free (the store, and the port node agents reach the controller on)."""
+    """A port p with p and p + 1 free (the store, and the port node agents reach the controller on).
+
+    Drawn below the kernel's ephemeral range: a port from bind(0) is one the kernel hands out again, to the next
+    bind(0) or to any connection's own end, before the job gets to listen on it (EADDRINUSE on a busy host).
+    """
+    low = _ephemeral_low()
     while True:
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                    return port
-                except OSError:
-                    continue
+        port = random.randrange(max(1024, low - 12000), low - 1)
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 class Loopback:

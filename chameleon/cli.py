@@ -3,7 +3,8 @@
 Before Hydra runs a job (and writes anything into its run directory), the command
 line is composed once here: a malformed override, an unknown key (``+train.stpes=2``),
 a missing recipe or a config the entry point's own check refuses ends with one line
-``chameleon: config error: …`` naming the key and the fix, and exit code 2. Then
+``chameleon: config error: …`` naming the key and the fix, and exit code 2 (``launch
+error`` when this host or its environment cannot run the job as given). Then
 Hydra runs the entry point as usual (``--multirun`` sweeps included). ``--help``
 prints the entry point's own help; ``--hydra-help`` and Hydra's other flags pass
 through.
@@ -23,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from chameleon.config import CONF_DIR, RECIPES_DIR, Config, ConfigError, register_configs
 from chameleon.model.config import ModelConfig
+from chameleon.runtime.launch import LaunchError
 
 EXIT_CONFIG = 2
 _PASS_THROUGH = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--resolve", "--package", "-p", "--shell-completion",
@@ -52,9 +54,14 @@ def run(entry: str, usage: str, hydra_main: Callable[[], None], check: Callable[
 
 
 def fail(err: BaseException) -> None:
-    """Print a config error as one line and exit 2."""
-    print(f"chameleon: config error: {one_line(err)}", file=sys.stderr, flush=True)
+    """Print a config or launch error as one line and exit 2."""
+    print(refusal(err), file=sys.stderr, flush=True)
     sys.exit(EXIT_CONFIG)
+
+
+def refusal(err: BaseException) -> str:
+    """The one line a config error (the command line) or a launch error (this host, its environment) ends with."""
+    return f"chameleon: {'launch' if isinstance(err, LaunchError) else 'config'} error: {one_line(err)}"
 
 
 def one_line(err: BaseException) -> str:

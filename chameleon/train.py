@@ -35,8 +35,9 @@ whichever Eq. 8 predicts trains the most samples before the next fault.
 
 Outputs go to the run directory (hydra.run.dir=...): metrics.jsonl, events.jsonl, summary.json,
 final_params.pt, checkpoints/. Exit codes: 0 trained; 1 training failed (one line says why);
-2 config error; 3 stopped for a relaunch (ft.on_fault=exit); 4 preempted by SIGTERM (a checkpoint
-was saved: continue with ckpt.resume=DIR); 130 interrupted (Ctrl-C).
+2 config or launch error (one line names the key and the fix); 3 stopped for a relaunch
+(ft.on_fault=exit); 4 preempted by SIGTERM (a checkpoint was saved: continue with ckpt.resume=DIR);
+130 interrupted (Ctrl-C).
 """
 
 EXIT_FAILED, EXIT_RELAUNCH, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 3, 4, 130
@@ -66,20 +67,25 @@ def _job(cfg: DictConfig) -> None:
     except LaunchError as err:
         cli.fail(err)
     print(f"plan ({len(plan.devices)} workers):\n{plan.describe()}", flush=True)
+    ending = None
     try:
         with tensorboard_mirror(run_dir, enabled=cfg.report.tensorboard):
             summary = run_training(to_config(cfg), plan=plan, run_dir=run_dir, secret=secret)
+    except LaunchError as err:
+        ending = cli.refusal(err), cli.EXIT_CONFIG
     except JobRestart as err:
-        _stop(f"chameleon: {err}", EXIT_RELAUNCH)
+        ending = f"chameleon: {err}", EXIT_RELAUNCH
     except Preempted as err:
-        _stop(f"chameleon: preempted: {err}", EXIT_PREEMPTED)
+        ending = f"chameleon: preempted: {err}", EXIT_PREEMPTED
     except (TrainingError, CheckpointError, OSError) as err:
-        _stop(f"chameleon: training failed: {err}", EXIT_FAILED)
+        ending = f"chameleon: training failed: {err}", EXIT_FAILED
     except KeyboardInterrupt:
-        _stop("chameleon: interrupted (Ctrl-C); every worker is stopped", EXIT_INTERRUPTED)
+        ending = "chameleon: interrupted (Ctrl-C); every worker is stopped", EXIT_INTERRUPTED
     finally:
         if cfg.report.plots:
             plot_run(run_dir)
+    if ending is not None:
+        _stop(*ending)
     if cfg.output.export_hf:
         import torch
 
@@ -88,6 +94,10 @@ def _job(cfg: DictConfig) -> None:
 
 
 def _stop(line: str, code: int) -> None:
+    """End with ``line`` once every process the run started has exited."""
+    from chameleon.runtime.processes import stop_forkserver
+
+    stop_forkserver()
     print(line, file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -95,12 +105,13 @@ def _stop(line: str, code: int) -> None:
 def _prepare(cfg: DictConfig) -> None:
     """Refuse what cannot run before Hydra writes anything; on a node other than 0, serve as its agent."""
     from chameleon.runtime.launch import LaunchError, job_secret
+    from chameleon.runtime.preflight import node_problem
 
     validate(cfg)
-    try:
-        job_secret(cfg.launcher.nnodes)
-    except LaunchError as err:
-        raise ConfigError(str(err)) from None
+    job_secret(cfg.launcher.nnodes)
+    problem = node_problem(cfg.launcher)
+    if problem:
+        raise LaunchError(problem)
     if cfg.launcher.node_rank > 0:
         sys.exit(_serve_node(cfg))
     if "--multirun" not in sys.argv and "-m" not in sys.argv:
@@ -123,14 +134,12 @@ def _check_run_dir(run_dir: Path) -> None:
 def _serve_node(cfg: DictConfig) -> int:
     """Run this node's agent (launcher.node_rank ≥ 1) until the job ends; its exit code."""
     from chameleon.runtime.agent import serve
-    from chameleon.runtime.launch import LaunchError, job_secret
+    from chameleon.runtime.processes import stop_forkserver
+    from chameleon.runtime.launch import job_secret
     from chameleon.runtime.wire import job_key
 
     launcher = cfg.launcher
-    try:
-        key = job_key(job_secret(launcher.nnodes))
-    except LaunchError as err:
-        cli.fail(err)
+    key = job_key(job_secret(launcher.nnodes))  # _prepare has checked that it is set
     config = to_config(cfg)
     print(f"chameleon agent {launcher.node_rank}: joining the controller at "
           f"{launcher.master_addr}:{launcher.control_port}", file=sys.stderr, flush=True)
@@ -138,6 +147,7 @@ def _serve_node(cfg: DictConfig) -> int:
         return serve(config, node=launcher.node_rank, master_addr=launcher.master_addr, control_port=launcher.control_port,
                      key=key, node_addr=launcher.node_addr, join_timeout_s=launcher.join_timeout_s)
     except KeyboardInterrupt:
+        stop_forkserver()
         print(f"chameleon agent {launcher.node_rank}: interrupted; its workers are stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
 

@@ -1,10 +1,15 @@
-"""Shared helpers: run ``python -m chameleon.<entry>`` as a real subprocess and read its outputs."""
+"""Shared helpers: run ``python -m chameleon.<entry>`` as a real subprocess and read its outputs; the two tiers.
+
+``python -m pytest -q`` is the fast tier: every unit and property test and a few end-to-end runs (a fault
+recovery decided by Eq. 8, a whole node lost over three loopback hosts, Ctrl-C, each way a start can fail).
+Tests marked ``full`` — every other end-to-end run, cluster and signal test, and the benchmarks' smoke runs —
+are deselected unless ``--full`` is given: ``python -m pytest -q --full`` is the full suite, what CI runs.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,8 +21,33 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from benchmarks._loopback import free_port_pair
 from benchmarks._processes import lingering
 from chameleon.report.compare import Drift, mismatches
+
+_FULL_LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true", help="the full suite: also the tests marked full (see conftest.py)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without ``--full``, deselect the tests marked ``full`` (pytest counts them as deselected)."""
+    if config.getoption("--full"):
+        return
+    full = [item for item in items if item.get_closest_marker("full")]
+    if full:
+        config.hook.pytest_deselected(items=full)
+        items[:] = [item for item in items if not item.get_closest_marker("full")]
+    config.stash[_FULL_LEFT_OUT] = len(full)
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if config.stash.get(_FULL_LEFT_OUT, 0):
+        terminalreporter.write_line(f"fast tier: {config.stash[_FULL_LEFT_OUT]} tests marked full were deselected; "
+                                    "python -m pytest -q --full runs the full suite")
+
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
 
@@ -57,16 +87,10 @@ def run_entry(entry: str, run_dir: Path, *overrides: str, timeout: float = 240, 
     return Run(proc.returncode, out, err, run_dir, proc.pid)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(target: Callable[..., None], world: int, *args, timeout_s: float = 90) -> None:
     """``target(rank, world, port, *args)`` in ``world`` spawned processes (``port`` free for their process group);
     each must exit 0 within ``timeout_s``."""
-    port, ctx = free_port(), mp.get_context("spawn")
+    port, ctx = free_port_pair(), mp.get_context("spawn")
     procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
     try:
         for p in procs:

@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import ENV
 
+pytestmark = pytest.mark.full  # the benchmarks' smoke runs belong to the full suite
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

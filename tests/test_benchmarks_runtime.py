@@ -6,6 +6,8 @@ import pytest
 
 from tests.test_benchmarks import ROOT, run
 
+pytestmark = pytest.mark.full  # the benchmarks' smoke runs belong to the full suite
+
 
 def test_chaos_quick():
     """Three seeds of random kills and hangs: nothing lost, nothing hung, nothing left behind."""

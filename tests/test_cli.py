@@ -151,6 +151,7 @@ def test_each_entry_point_has_its_own_help(entry):
     assert "Config groups" in proc.stdout and "+recipe=NAME" in proc.stdout
 
 
+@pytest.mark.full
 def test_a_resumed_run_does_not_fire_the_faults_an_earlier_launch_fired(tmp_path):
     """ft.on_fault=exit stops at the kill; the relaunch from its checkpoint says so and trains to the end."""
     common = (*SMALL_RUN, "launcher.nproc_per_node=2", "ckpt.interval=2", "train.steps=6", "failure=kill",

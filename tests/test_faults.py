@@ -80,14 +80,16 @@ def assert_recovered(run, reference, *, drift: Drift = Drift()) -> dict:
 @pytest.mark.parametrize(
     ("policy", "rank", "phase"),
     [
-        ("reroute", 0, "forward"),  # first stage
-        ("reroute", 5, "sync"),  # last stage
-        ("dynamic", 1, "backward"),  # middle stage
-        ("dynamic", 3, "optimizer"),  # first stage, after the commit
-        ("redundant", 4, "sync"),  # middle stage
-        ("redundant", 2, "any"),  # last stage, a random moment of the step's compute (always before its commit)
-        ("checkpoint", 0, "backward"),  # first stage: forced reload of the step-2 checkpoint, steps redone
-        ("chameleon", 5, "forward"),  # last stage: Eq. 8 decides
+        pytest.param("reroute", 0, "forward", marks=pytest.mark.full),  # first stage
+        pytest.param("reroute", 5, "sync", marks=pytest.mark.full),  # last stage
+        pytest.param("dynamic", 1, "backward", marks=pytest.mark.full),  # middle stage
+        pytest.param("dynamic", 3, "optimizer", marks=pytest.mark.full),  # first stage, after the commit
+        pytest.param("redundant", 4, "sync", marks=pytest.mark.full),  # middle stage
+        # last stage, a random moment of the step's compute (always before its commit)
+        pytest.param("redundant", 2, "any", marks=pytest.mark.full),
+        # first stage: forced reload of the step-2 checkpoint, steps redone
+        pytest.param("checkpoint", 0, "backward", marks=pytest.mark.full),
+        ("chameleon", 5, "forward"),  # last stage: Eq. 8 decides (the fast tier's fault recovery)
     ],
 )
 def test_policy_recovers_exactly(tmp_path, reference, policy, rank, phase):
@@ -109,6 +111,7 @@ def test_policy_recovers_exactly(tmp_path, reference, policy, rank, phase):
     assert "lost at step" in run.stderr and recovery["chosen"] in run.stderr
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("phase", ["recovery", "rebuild", "transfer", "redo", "decision"])
 def test_a_fault_anywhere_in_a_recovery_then_another_fault(tmp_path, reference, phase):
     """Device 5 dies inside the recovery from device 1's loss (as it starts, connecting its groups, moving
@@ -125,12 +128,14 @@ def test_a_fault_anywhere_in_a_recovery_then_another_fault(tmp_path, reference, 
         assert where["phase"] in expected, where
 
 
+@pytest.mark.full
 def test_two_stages_of_one_pipeline_lost_in_one_step(tmp_path, reference):
     run = run_entry("train", tmp_path / "run", *MODEL, *DP2_PP3, *fail_at((0, 3, "sync"), (2, 3, "sync")))
     got = assert_recovered(run, reference)
     assert sorted(d for r in got["recoveries"] for d in r["failed_ranks"]) == [0, 2]
 
 
+@pytest.mark.full
 def test_a_stalled_worker_is_found_by_the_progress_watchdog(tmp_path, reference):
     """Alive and heartbeating but never progressing: no heartbeat catches it; the watchdog fences it."""
     run = run_entry("train", tmp_path / "run", *MODEL, *DP2_PP3, "failure=stall", "failure.rank=4", "failure.step=3",
@@ -141,6 +146,7 @@ def test_a_stalled_worker_is_found_by_the_progress_watchdog(tmp_path, reference)
     assert recovery["where"]["4"]["phase"] == "backward"
 
 
+@pytest.mark.full
 def test_an_error_in_a_worker_stops_the_run_with_one_line(tmp_path):
     run = run_entry("train", tmp_path / "run", *MODEL, *DP2_PP3, "failure=error", "failure.rank=4", "failure.step=2",
                     "failure.phase=backward")
@@ -151,6 +157,7 @@ def test_an_error_in_a_worker_stops_the_run_with_one_line(tmp_path):
     assert not run.leftover_workers()
 
 
+@pytest.mark.full
 def test_a_device_error_is_the_loss_of_that_device(tmp_path, reference):
     run = run_entry("train", tmp_path / "run", *MODEL, *DP2_PP3, "failure=error", "failure.kind=device_error",
                     "failure.rank=1", "failure.step=3", "failure.phase=forward")
@@ -158,6 +165,7 @@ def test_a_device_error_is_the_loss_of_that_device(tmp_path, reference):
     assert got["recoveries"][0]["failed_ranks"] == [1] and "device error" in got["recoveries"][0]["cause"]
 
 
+@pytest.mark.full
 def test_a_lost_device_restarted_is_taken_back(tmp_path, long_reference):
     """failure.rejoin_after_s restarts the killed worker; the job grows back onto it at a step boundary
     (a forced policy always grows back), and nothing is lost."""
@@ -171,6 +179,7 @@ def test_a_lost_device_restarted_is_taken_back(tmp_path, long_reference):
     assert "1" in re.split(r"[\s,]+", got["plan"])  # device 1 trains again (the plan lists devices per pipeline line)
 
 
+@pytest.mark.full
 def test_hang_is_detected_by_heartbeat_and_fenced(tmp_path, reference):
     run = run_entry("train", tmp_path / "run", *MODEL, *DP2_PP3, "failure=hang", "failure.rank=2", "failure.step=3")
     got = assert_recovered(run, reference)
@@ -178,6 +187,7 @@ def test_hang_is_detected_by_heartbeat_and_fenced(tmp_path, reference):
     assert "heartbeat" in recovery["cause"] and 0.9 <= recovery["detect_s"] <= 5.0
 
 
+@pytest.mark.full
 def test_every_replica_of_a_stage_lost_falls_back_to_the_checkpoint(tmp_path, reference):
     faults = fail_at((1, 5, "forward"), (4, 5, "forward"))  # stage 1 of both pipelines
     run = run_entry("train", tmp_path / "run", *MODEL, *DP2_PP3, "ckpt.interval=2", *faults)
@@ -187,6 +197,7 @@ def test_every_replica_of_a_stage_lost_falls_back_to_the_checkpoint(tmp_path, re
     assert sorted(p.name for p in (run.run_dir / "checkpoints").iterdir())[-1] == f"step_{STEPS:08d}"
 
 
+@pytest.mark.full
 def test_tensor_parallel_stage_lost(tmp_path, reference):
     run = run_entry(
         "train", tmp_path / "run", *MODEL, "launcher.nproc_per_node=4", "parallel.dp=2", "parallel.tp=2",
@@ -234,6 +245,7 @@ def test_a_stage_is_rebuilt_from_the_shards_of_two_replicas(tmp_path, request, c
     assert not any("no survivor holds" in c["why"] for c in last["candidates"])
 
 
+@pytest.mark.full
 def test_without_replica_or_checkpoint_the_run_stops_clearly(tmp_path):
     run = run_entry("train", tmp_path / "run", *MODEL, "launcher.nproc_per_node=2", "parallel.dp=1", "parallel.pp=2",
                     *fail_at((1, 2, "forward")))
@@ -251,6 +263,7 @@ def bf16_reference(tmp_path_factory):
     return run
 
 
+@pytest.mark.full
 def test_bf16_recovers_within_its_documented_tolerance(tmp_path, bf16_reference):
     run = run_entry("train", tmp_path / "run", *MODEL, *BF16, *DP2_PP3, "policy.name=dynamic",
                     *fail_at((1, 3, "backward")))
@@ -267,6 +280,7 @@ def test_bf16_recovers_within_its_documented_tolerance(tmp_path, bf16_reference)
     assert not run.leftover_workers()
 
 
+@pytest.mark.full
 def test_bf16_restart_from_a_checkpoint_is_bitwise_the_failure_free_run(tmp_path, bf16_reference):
     """Stop every worker at a kill (ft.on_fault=exit), relaunch from the checkpoint into the same layout:
     fp32 masters, both moments and the schedule's global step come back exactly."""

@@ -77,6 +77,7 @@ def test_mismatched_model_names_every_override(hf_dir):
     assert ModelConfig(**model_overrides(json.loads((hf_dir / "config.json").read_text()))).ffn_hidden_dim == CFG.ffn_hidden_dim
 
 
+@pytest.mark.full
 def test_training_starts_from_and_exports_hugging_face_weights(tmp_path, hf_dir):
     """A tp2 run initialised from the checkpoint (each rank slices its heads out of the un-permuted rows):
     its first loss is transformers' on the same batch, and its exported weights reproduce, in

@@ -230,6 +230,7 @@ def gpt_reference(tmp_path_factory):
     return run
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("faults", [(), ("failure=kill", "failure.rank=3", "failure.step=2", "failure.phase=forward")],
                          ids=["clean", "kill"])
 def test_gpt_trains_on_dp2xpp2_as_in_one_process(tmp_path, gpt_reference, faults):

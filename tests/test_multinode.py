@@ -78,6 +78,7 @@ def assert_clean(cluster: Cluster, run: Run, reference: tuple[Run, Drift]) -> di
     return got
 
 
+@pytest.mark.full
 def test_three_nodes_train_exactly_as_one_host(tmp_path, long_reference):
     """Failure-free, the same layout over three hosts does the same arithmetic as on one: the same bits."""
     cluster = Cluster(tmp_path, *LONG, "failure=none")
@@ -90,7 +91,7 @@ def test_three_nodes_train_exactly_as_one_host(tmp_path, long_reference):
     assert [e["node"] for e in events(run) if e["event"] == "node_joined"] in ([1, 2], [2, 1])
 
 
-@pytest.mark.parametrize("phase", ["sync", "optimizer"])
+@pytest.mark.parametrize("phase", [pytest.param("sync", marks=pytest.mark.full), "optimizer"])  # the fast tier's node loss
 def test_a_whole_node_killed_mid_step_is_one_decision(tmp_path, short_reference, phase):
     cluster = Cluster(tmp_path, *SHORT, "failure=node_kill", "failure.node=1", "failure.step=3", f"failure.phase={phase}")
     run = cluster.train()
@@ -103,6 +104,7 @@ def test_a_whole_node_killed_mid_step_is_one_decision(tmp_path, short_reference,
     assert recovery["t_fault_source"] == "announced" and recovery["total_s"] < 10
 
 
+@pytest.mark.full
 def test_a_node_killed_during_a_recovery(tmp_path, short_reference):
     faults = "[{kind:kill,rank:0,step:3,phase:backward},{kind:node_kill,node:2,step:3,phase:transfer}]"
     cluster = Cluster(tmp_path, *SHORT, "failure=schedule", f"failure.faults={faults}")
@@ -134,6 +136,7 @@ def test_a_node_with_a_shard_of_every_replica_lost_rebuilds_the_stage_from_the_r
     assert "on 0,1,5" in got["plan"]  # a TP group of devices on nodes 0 and 2, each holding its shard
 
 
+@pytest.mark.full
 def test_a_stopped_agent_is_fenced_and_its_node_rejoins(tmp_path, long_reference):
     """SIGSTOP of node 2's agent (a partition): its lease lapses, the job recovers without it; resumed, the agent
     finds its lease lapsed, kills its own workers, registers again, and the job grows back onto its devices."""
@@ -164,6 +167,7 @@ def _forge(cluster: Cluster) -> None:
         time.sleep(6)  # beyond the handshake deadline
 
 
+@pytest.mark.full
 def test_a_node_lost_and_restarted_grows_back_and_forged_traffic_is_refused(tmp_path, long_reference):
     cluster = Cluster(tmp_path, *LONG, "failure=node_kill", "failure.node=1", "failure.step=5",
                       "failure.phase=backward", "policy.name=dynamic")

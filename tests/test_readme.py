@@ -50,6 +50,7 @@ def test_every_readme_command_is_covered():
         assert Path(c[1]).name in tested, f"{c[1]} is in the README but no test runs it"
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("argv", ENTRY_COMMANDS, ids=lambda c: " ".join(c[2:])[:60])
 def test_readme_command_runs(tmp_path, argv):
     entry = argv[2].removeprefix("chameleon.")
@@ -65,6 +66,7 @@ def test_readme_command_runs(tmp_path, argv):
         assert proc.stdout.strip().splitlines()[-1] == str(tmp_path / "run" / "summary.json")
 
 
+@pytest.mark.full
 def test_readme_loopback_example_runs_as_written(tmp_path):
     """Three loopback "hosts": node 1 is killed as a whole in step 20 and the job finishes on the others."""
     block = next(b for b in BLOCKS if "$JOB" in b)

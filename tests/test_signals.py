@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks._loopback import free_port_pair
+from benchmarks._processes import session_processes
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import param_shapes
 from chameleon.report.compare import mismatches
@@ -35,10 +37,17 @@ def failure_free(tmp_path_factory) -> Run:
     return run
 
 
-def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+def start(run_dir: Path, *overrides: str, env: dict = ENV) -> subprocess.Popen:
+    """The job, in a session of its own, with the signals these tests send at their defaults in it (a child of a
+    background job inherits SIGINT ignored, as POSIX has it, and would train on through a Ctrl-C)."""
     cmd = [sys.executable, "-m", "chameleon.train", f"hydra.run.dir={run_dir}", "output.progress=false", *JOB, *overrides]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
-                            cwd=run_dir.parent, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=run_dir.parent, start_new_session=True, preexec_fn=_default_signals)
+
+
+def _default_signals() -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
@@ -65,6 +74,7 @@ def resume_and_compare(tmp_path: Path, root: Path, failure_free: Run) -> dict:
     return got
 
 
+@pytest.mark.full
 def test_controller_killed_workers_leave_quietly_and_the_checkpoint_resumes(tmp_path, failure_free):
     proc = start(tmp_path / "run", "ckpt.interval=10")
     wait_for(tmp_path / "run" / "events.jsonl", '"checkpoint", "step": 20', proc)
@@ -76,6 +86,7 @@ def test_controller_killed_workers_leave_quietly_and_the_checkpoint_resumes(tmp_
     resume_and_compare(tmp_path, tmp_path / "run" / "checkpoints", failure_free)
 
 
+@pytest.mark.full
 def test_sigterm_saves_a_checkpoint_at_the_next_step_boundary_then_exits_4(tmp_path, failure_free):
     proc = start(tmp_path / "run", "ckpt=none")  # no periodic checkpoints: SIGTERM still saves one
     wait_for(tmp_path / "run" / "metrics.jsonl", '"step": 30', proc)
@@ -93,14 +104,49 @@ def test_sigterm_saves_a_checkpoint_at_the_next_step_boundary_then_exits_4(tmp_p
     assert got["first_step"] == committed
 
 
+def interrupt(proc: subprocess.Popen, says: str) -> tuple[str, set[int]]:
+    """Ctrl-C to ``proc``'s whole process group, as a terminal sends it; its stderr, and the processes of its
+    session other than itself still alive when it printed a line starting with ``says``."""
+    os.killpg(proc.pid, signal.SIGINT)
+    err, others = "", None
+    for line in proc.stderr:  # until the run closes it
+        err += line
+        if line.startswith(says):
+            others = set(session_processes(proc.pid)) - {proc.pid}
+    return err, others
+
+
 def test_ctrl_c_stops_every_process_with_one_line(tmp_path):
-    proc = start(tmp_path / "run")
+    """Started from a background job (SIGINT ignored in the test process meanwhile), Ctrl-C still stops the run;
+    when the line says every worker is stopped, no process of the run but the controller itself is left."""
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = start(tmp_path / "run")
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     wait_for(tmp_path / "run" / "metrics.jsonl", '"step": 5', proc)
-    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole foreground process group
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
+    err, others = interrupt(proc, "chameleon: interrupted")
+    assert proc.wait(timeout=60) == 130
     assert err.strip().splitlines()[-1] == "chameleon: interrupted (Ctrl-C); every worker is stopped"
+    assert others == set(), "processes of the run outlived the line that says they are stopped"
     assert "Traceback" not in err
     assert not lingering(proc.pid)
     assert not (tmp_path / "run" / "summary.json").exists()
 
+
+
+@pytest.mark.full
+def test_ctrl_c_to_a_node_agent_stops_its_workers_before_it_says_so(tmp_path):
+    """Node 1's agent is interrupted mid-run: its workers are gone when it says so; the job goes on without them."""
+    nodes = ("launcher.nnodes=2", "launcher.nproc_per_node=2", "launcher.master_addr=127.0.0.1",
+             f"launcher.master_port={free_port_pair()}")
+    env = {**ENV, "CHAMELEON_SECRET": "s"}
+    agent = start(tmp_path / "agent", *nodes, "launcher.node_rank=1", "launcher.node_addr=127.0.0.2", env=env)
+    node0 = start(tmp_path / "run", *nodes, "launcher.node_rank=0", env=env)
+    wait_for(tmp_path / "run" / "metrics.jsonl", '"step": 5', node0)
+    err, others = interrupt(agent, "chameleon agent 1: interrupted")
+    assert agent.wait(timeout=60) == 130
+    assert err.strip().splitlines()[-1] == "chameleon agent 1: interrupted; its workers are stopped"
+    assert others == set(), "processes of the agent outlived the line that says they are stopped"
+    _, err = node0.communicate(timeout=120)
+    assert node0.returncode == 0 and "node 1 lost" in err, err

@@ -178,6 +178,7 @@ def test_traces_round_trip_and_generators(tmp_path):
     assert any(len(e.devices) == 8 and e.kind == "remove" for e in trace)  # a whole node failed at once
 
 
+@pytest.mark.full
 def test_cli_multirun_and_sweep_table(tmp_path):
     cmd = [sys.executable, "-m", "chameleon.simulate", "--multirun", *BASE, "trace=oobleck", "trace.n_removals=2",
            "trace.interval_s=1800,3600", "sim.horizon_h=2", "sim.plots=true", "sim.policies=[chameleon,oobleck]",

@@ -22,6 +22,7 @@ HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 TOLERANCE = 1e-5  # relative, fp32: only floating-point reassociation differs between layouts
 
 
+@pytest.mark.full
 @pytest.mark.parametrize(
     "layout",
     [
@@ -50,6 +51,7 @@ def test_layout_reproduces_single_process(tmp_path, reference_run, layout):
     assert_same_clipping(run, reference_run, clip_norm=0.5)
 
 
+@pytest.mark.full
 def test_clipping_is_exact_while_a_stage_is_rerouted(tmp_path, reference_run):
     """A kill reroutes a lost stage's micro-batches to its peer: the norm still counts every tensor once."""
     run = run_entry("train", tmp_path / "run", *SMALL_RUN, "launcher.nproc_per_node=4", "parallel.dp=2",
@@ -66,6 +68,7 @@ def test_clipping_is_exact_while_a_stage_is_rerouted(tmp_path, reference_run):
     assert_same_clipping(run, reference_run, clip_norm=0.5)
 
 
+@pytest.mark.full
 def test_outputs(reference_run):
     lines = [json.loads(x) for x in (reference_run.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(6))
@@ -76,6 +79,7 @@ def test_outputs(reference_run):
     assert (reference_run.run_dir / ".hydra" / "config.yaml").is_file()
 
 
+@pytest.mark.full
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
@@ -114,6 +118,7 @@ def test_recipes_compose_real_shapes_without_allocating(recipe, n_params):
     assert cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.tp == cfg.launcher.nnodes * cfg.launcher.nproc_per_node
 
 
+@pytest.mark.full
 def test_multirun_writes_one_dir_per_job(tmp_path):
     sweep = tmp_path / "sweep"
     cmd = [

@@ -44,12 +44,13 @@ from chameleon.config import Config
 from chameleon.runtime import codec
 from chameleon.runtime.beacon import Position
 from chameleon.runtime.faults import FaultSpec, kill_node, stop_and_resume
-from chameleon.runtime.launch import host_identity
+from chameleon.runtime.launch import SECRET_ENV, host_identity
 from chameleon.runtime.messages import (
     PUSHED, CheckpointSaved, Dying, End, Flag, GenerationSpec, Hello, Inject, Lease, NodeReady, NodeSaved, NodeSynced,
     Noted, Positions, Probe, Publish, Ready, Renew, Shutdown, Signal, Start, Synced, Welcome,
 )
-from chameleon.runtime.wire import AuthError, Link, connect
+from chameleon.runtime.preflight import store_problem
+from chameleon.runtime.wire import AuthError, Link, SecretMismatch, connect
 
 TICK_S = 0.01
 
@@ -229,10 +230,19 @@ def serve(config: Config, *, node: int, master_addr: str, control_port: int, key
     while True:
         try:
             link = connect(master_addr, control_port, key)
+        except SecretMismatch as err:
+            print(f"chameleon agent {node}: refused: {err}: set the same {SECRET_ENV} on every node", file=sys.stderr,
+                  flush=True)
+            return 2
         except AuthError as err:
-            print(f"chameleon agent {node}: refused by the controller: {err}", file=sys.stderr, flush=True)
+            print(f"chameleon agent {node}: no Chameleon controller answers at {master_addr}:{control_port} ({err}): "
+                  "check launcher.master_addr and launcher.control_port", file=sys.stderr, flush=True)
             return 2
         except OSError as err:
+            if returning and isinstance(err, ConnectionRefusedError):  # it answered before; nothing listens there now
+                print(f"chameleon agent {node}: the job has ended (its controller at {master_addr}:{control_port} is "
+                      "gone)", file=sys.stderr, flush=True)
+                return 0
             if time.monotonic() > deadline:
                 print(f"chameleon agent {node}: no controller at {master_addr}:{control_port} within "
                       f"{join_timeout_s:.0f} s ({err}): start node 0 first, or check launcher.master_addr/master_port",
@@ -240,9 +250,19 @@ def serve(config: Config, *, node: int, master_addr: str, control_port: int, key
                 return 1
             time.sleep(0.2)
             continue
-        link.send(Hello(node, _devices(config, node), os.getpid(), node_addr or socket.gethostname(), host_identity(),
-                        config, returning=returning))
-        reply = link.recv(join_timeout_s)
+        problem = None if returning else store_problem(master_addr, config.launcher.master_port)
+        if problem:
+            link.close()
+            print(f"chameleon agent {node}: {problem}", file=sys.stderr, flush=True)
+            return 2
+        try:
+            link.send(Hello(node, _devices(config, node), os.getpid(), node_addr or socket.gethostname(),
+                            host_identity(), config, returning=returning))
+            reply = link.recv(join_timeout_s)
+        except (EOFError, OSError):  # the controller's process ended first
+            print(f"chameleon agent {node}: the job has ended (its controller at {master_addr}:{control_port} closed "
+                  "the link before admitting this node)", file=sys.stderr, flush=True)
+            return 0 if returning else 1
         if not isinstance(reply, Welcome):
             why = reply.why if isinstance(reply, Shutdown) else "no answer"
             print(f"chameleon agent {node}: not admitted: {why}", file=sys.stderr, flush=True)

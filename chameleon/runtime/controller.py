@@ -42,8 +42,9 @@ from chameleon.runtime.core import (
 )
 from chameleon.runtime.errors import Preempted, TrainingError
 from chameleon.runtime.faults import FaultSpec, planned_faults
-from chameleon.runtime.launch import host_identity
+from chameleon.runtime.launch import LaunchError, host_identity
 from chameleon.runtime.messages import Hello, Shutdown
+from chameleon.runtime.preflight import ports_problem
 from chameleon.runtime.recorder import Recorder
 from chameleon.runtime.wire import AuthError, Link, Listener, job_key
 
@@ -84,15 +85,18 @@ class Controller:
                   if f not in fired]
         profile = load_profile(config.model, config.cluster, micro_batch=config.train.micro_batch,
                                seq_len=config.train.seq_len, tp=config.parallel.tp)
-        self.store = dist.TCPStore(launcher.master_addr, launcher.master_port, is_master=True,
-                                   timeout=timedelta(seconds=launcher.timeout_s), wait_for_workers=False)
+        try:
+            self.store = dist.TCPStore(launcher.master_addr, launcher.master_port, is_master=True,
+                                       timeout=timedelta(seconds=launcher.timeout_s), wait_for_workers=False)
+            self.listener = Listener(launcher.master_addr, launcher.control_port, job_key(secret)) \
+                if launcher.nnodes > 1 else None
+        except (dist.DistNetworkError, OSError) as err:  # a port taken since train.py checked it
+            raise LaunchError(ports_problem(launcher) or str(err)) from None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chameleon-planner")
         saved = SavedState(start.committed_steps, time.time() - start.age_s, Path(resume)) if start else None
         self.core = Core(config, plan=plan, profile=profile, run_dir=str(run_dir), store_port=self.store.port,
                          ckpt_root=self.ckpt_root, saved=saved, faults=faults, fired=fired, planner=self.pool,
                          clock=Clock())
-        self.listener = Listener(launcher.master_addr, launcher.control_port, job_key(secret)) \
-            if launcher.nnodes > 1 else None
         self.local_pool = local_pool
         self.links: dict[int, Link] = {}
         self.node_of: dict[Link, int] = {}
@@ -227,7 +231,7 @@ class Controller:
             messages = link.receive()
         except (EOFError, OSError, AuthError) as err:
             self._drop_arrival(link)
-            self._handle(Refused(f"{link.peer}: {err}"))
+            self._handle(Refused(f"{link.peer}: {str(err) or 'closed the link before registering'}"))
             return
         if not messages:
             return

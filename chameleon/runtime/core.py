@@ -44,6 +44,7 @@ from chameleon.runtime.beacon import Position
 from chameleon.runtime.coordinator import Coordinator, SavedState, Transition
 from chameleon.runtime.detector import Detector, stall
 from chameleon.runtime.errors import JobRestart, TrainingError
+from chameleon.runtime.launch import LaunchError
 from chameleon.runtime.faults import FaultSpec, Injector, controller_faults
 from chameleon.runtime.ledger import CheckpointComplete, CommitStep, Ledger
 from chameleon.runtime.messages import (
@@ -401,7 +402,7 @@ class Core:
         now = self.clock.mono()
         if self.generation < 0 and len(self.nodes) < self.launcher.nnodes and now > self.join_deadline:
             missing = sorted(set(range(self.launcher.nnodes)) - set(self.nodes))
-            raise TrainingError(
+            raise LaunchError(
                 f"nodes {missing} did not join within launcher.join_timeout_s={self.launcher.join_timeout_s:g} s: "
                 f"run the same command with launcher.node_rank=K on each, reaching "
                 f"{self.launcher.master_addr}:{self.launcher.control_port}"
@@ -425,7 +426,7 @@ class Core:
             self._refused(f"node {hello.node} at {hello.host}: {why}")
             self._emit(Refuse(why))
             if self.generation < 0 and "config differs" in why:  # a mistake in how the job was launched
-                raise TrainingError(f"node {hello.node} at {hello.host}: {why}")
+                raise LaunchError(f"node {hello.node} at {hello.host}: {why}")
             return
         self.nodes[hello.node] = NodeInfo(hello.node, hello.devices, hello.pid, hello.host, hello.host_id)
         if hello.node:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import queue
 import signal
@@ -241,6 +242,15 @@ def forkserver(*, start: bool = False, ready: bool = False):
         child.start()
         child.join()
     return ctx
+
+
+def stop_forkserver() -> None:
+    """Stop the forkserver and multiprocessing's resource tracker, and wait until both have exited.
+
+    Both would leave a moment after this process; a line saying that every process is stopped must be true.
+    """
+    mp.forkserver._forkserver._stop()
+    mp.resource_tracker._resource_tracker._stop()
 
 
 def _running(pid: int) -> bool:

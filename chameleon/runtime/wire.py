@@ -20,6 +20,7 @@ This authenticates and integrity-protects the control traffic; it does not encry
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -43,6 +44,10 @@ _AGENT, _CONTROLLER = b"agent", b"controller"
 
 class AuthError(ConnectionError):
     """A peer did not prove the job's secret, or a message failed verification."""
+
+
+class SecretMismatch(AuthError):
+    """The controller and this agent do not hold the same secret."""
 
 
 def job_key(secret: str) -> bytes:
@@ -191,17 +196,21 @@ def connect(host: str, port: int, key: bytes, *, timeout_s: float = HANDSHAKE_S)
 
     Raises:
         OSError: the controller cannot be reached.
-        AuthError: the controller refused us, or could not prove the secret itself.
+        SecretMismatch: the controller refused our proof of the secret, or could not prove it itself.
+        AuthError: the peer is no controller (it sent no valid challenge).
     """
     sock = socket.create_connection((host, port), timeout=timeout_s)
     try:
         _tune(sock)
-        challenge = _read(sock, _NONCE, timeout_s, "the controller")
+        challenge = _read(sock, _NONCE, timeout_s, f"{host}:{port}")
         mine = secrets.token_bytes(_NONCE)
         _write(sock, _handshake_mac(key, _AGENT, challenge) + mine)
-        answer = _read(sock, _MAC, timeout_s, "the controller")
+        try:
+            answer = _read(sock, _MAC, timeout_s, "the controller")
+        except AuthError:  # it drops a peer whose proof fails
+            raise SecretMismatch(f"the controller at {host}:{port} did not accept our proof of the secret") from None
         if not hmac.compare_digest(answer, _handshake_mac(key, _CONTROLLER, mine)):
-            raise AuthError(f"the controller at {host}:{port} does not hold this job's secret")
+            raise SecretMismatch(f"the controller at {host}:{port} does not hold this job's secret")
     except BaseException:
         sock.close()
         raise
@@ -261,6 +270,9 @@ class Listener:
         return out
 
     def close(self) -> None:
+        """Stop listening: the accepting thread ends, and a connection attempt from now on is refused."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # close() alone leaves a blocked accept() accepting once more
         self._sock.close()
 
     def _accept_forever(self) -> None:
