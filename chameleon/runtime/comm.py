@@ -279,8 +279,8 @@ class Generation:
         return self._post(post_p2p, self.backend, group.recv, tensor, rank, tag, True)
 
     def all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...]) -> None:
-        """In-place sum over ``members`` (sorted device ids, a declared group)."""
-        self.wait(self._post(self.group(members).allreduce, [tensor]))
+        """In-place sum over ``members`` (device ids in any order, a declared group)."""
+        self.wait(self._post(self.group(tuple(sorted(members))).allreduce, [tensor]))
 
     def _post(self, op: Callable[..., dist.Work], *args) -> dist.Work:
         """Issue an asynchronous op; posting to a connection a dead peer closed fails at once."""
