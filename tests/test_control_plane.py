@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import run_entry
 from tests.test_benchmarks import run
 
@@ -18,6 +20,7 @@ JOB = ("failure=none", "launcher.nproc_per_node=4", "parallel.dp=2", "parallel.p
        "train.global_batch=8", "train.micro_batch=2", "train.seq_len=32", "report.plots=false")
 
 
+@pytest.mark.full
 def test_store_operations_do_not_grow_with_steps_or_step_time(tmp_path):
     short = run_entry("train", tmp_path / "short", *JOB, "train.steps=4", "model.dim=32")
     long = run_entry("train", tmp_path / "long", *JOB, "train.steps=12", "model.dim=256")
@@ -29,6 +32,7 @@ def test_store_operations_do_not_grow_with_steps_or_step_time(tmp_path):
     assert a["store_ops"] == b["store_ops"], "a worker's store operations are its groups' rendezvous, nothing per step"
 
 
+@pytest.mark.full
 def test_the_emulator_measures_the_real_controller(tmp_path):
     """The control-plane benchmark's quick mode: the real controller and agents, emulated workers, a node lost and
     back; every figure the issue asks for is there, and what must be exact is."""

@@ -23,6 +23,7 @@ from chameleon.runtime.core import (
 )
 from chameleon.runtime.errors import TrainingError
 from chameleon.runtime.faults import FaultSpec
+from chameleon.runtime.launch import LaunchError
 from chameleon.runtime.messages import (
     Begin, Commit, Done, Dying, Exited, Flag, Hello, Lease, Moves, NodeReady, NodeSaved, NodeSynced, Noted, Positions,
     Probe, Publish, Renew, Signal, Standby, Start, Welcome,
@@ -241,7 +242,7 @@ def test_a_second_agent_for_a_running_node_is_refused_and_a_different_config_is_
     core = core_of()
     core.handle(Registered(hello(core, 0)))
     other, _ = config("train.lr=0.1")
-    with pytest.raises(TrainingError, match="config differs from node 0's in train.lr"):
+    with pytest.raises(LaunchError, match="config differs from node 0's in train.lr"):
         core.handle(Registered(Hello(1, (2, 3), 1, "h", "host", other)))
 
 

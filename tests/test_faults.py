@@ -229,6 +229,7 @@ def reference_kv4(tmp_path_factory):
     return run
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("case", SHARDS_ON_TWO_REPLICAS)
 def test_a_stage_is_rebuilt_from_the_shards_of_two_replicas(tmp_path, request, case):
     layout, first, second = SHARDS_ON_TWO_REPLICAS[case]

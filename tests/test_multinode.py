@@ -121,6 +121,7 @@ HEADS3 = ("model.dim=48", "model.n_heads=3", "model.n_kv_heads=3", "model.multip
 TP3 = ("parallel.dp=2", "parallel.pp=1", "parallel.tp=3")
 
 
+@pytest.mark.full
 def test_a_node_with_a_shard_of_every_replica_lost_rebuilds_the_stage_from_the_rest(tmp_path, tmp_path_factory):
     runs = [run_entry("train", tmp_path_factory.mktemp("ref") / "run", *JOB, *SHORT, *HEADS3, *layout, "failure=none")
             for layout in (("launcher.nproc_per_node=6", *TP3), ("parallel=dp", "launcher.nproc_per_node=1"))]
