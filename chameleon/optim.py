@@ -72,8 +72,8 @@ def adamw(
 def sum_of_squares(tensors: Iterable[Tensor], *, device: torch.device) -> Tensor:
     """``Σ ‖t‖²`` over ``tensors`` as a 1-element fp32 tensor on ``device`` (zero when there are none).
 
-    Summed per device over disjoint pieces that tile every tensor once, then
-    all-reduced, this gives the square of the global gradient norm.
+    Summed per device over disjoint pieces that tile every tensor once, then over
+    devices (by the controller), this gives the square of the global gradient norm.
     """
     norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
     if not norms:

@@ -339,12 +339,14 @@ def checkpoint_time(profile: Profile, n_layers: int) -> float:
 def rebuild_time(profile: Profile, plan: Plan) -> float:
     """Creating the new generation's groups, as the runtime does.
 
-    Every device joins the world group (point-to-point traffic uses it), then each
-    sync bucket and TP group it belongs to, one after another; devices with
-    disjoint groups connect at the same time. So the rebuild costs the busiest
-    stage's group count, not the total.
+    A device builds, one after another, each sync bucket and TP group it belongs to and a
+    pair group with each neighbouring stage it exchanges activations with (a generation
+    has no world group); devices with disjoint groups connect at the same time. So the
+    rebuild costs the busiest stage's group count, not the total. Groups a growth keeps
+    unchanged are still counted (an upper bound).
     """
     g = geometry_of(plan)
-    busiest = max((sum(len(g.buckets[b].stages) > 1 for b in buckets) + (st.tp > 1)
-                   for st, buckets in zip(g.stages, g.of_stage)), default=0)
-    return (1 + busiest) * profile.group_create_s
+    neighbours = [(s > 0) + (s < p.n_stages - 1) for p in plan.pipelines for s, st in enumerate(p.stages) if st.devices]
+    busiest = max((sum(len(g.buckets[b].stages) > 1 for b in buckets) + (st.tp > 1) + n
+                   for st, buckets, n in zip(g.stages, g.of_stage, neighbours)), default=0)
+    return busiest * profile.group_create_s

@@ -82,7 +82,7 @@ class Profile:
     # CPU-bound processes of other jobs on the node: a transient, never cached; the profile keeps 0 and a
     # caller that measured it now (measure_background) sets it for its own estimates.
     background_procs: float = 0.0
-    commit_s: float = 0.0  # a step's commit round trip: one worker's message, a store key set, its wake-up
+    commit_s: float = 0.0  # a step's commit round trip: a report up to the controller and its answer down (see profile_comm)
     shadow_bytes_per_param: float = 0.0  # another stage's state also kept per parameter (a simulated Bamboo's shadow)
 
     @property
@@ -386,8 +386,10 @@ def measure_comm(*, n_procs: int = 3, small: int = 1 << 10, large: int = 1 << 22
         ``p2p_bw``/``p2p_latency_s`` from a small and a large send; ``allreduce_bw`` (bus
         bandwidth, i.e. for ``2(n−1)/n · bytes``) and ``allreduce_latency_s`` fitted over
         group sizes 2..n_procs; ``group_create_s``, the mean ``new_group`` time;
-        ``commit_s``, the commit round trip as the runtime makes it (a worker sets a key
-        in the controller's store, the controller answers with another, the worker wakes).
+        ``commit_s``, a commit's round trip stood for by two loopback TCP messages (a worker
+        sets a key in a store, the controller answers with another, the worker wakes); the
+        runtime's pushed commit (worker → agent → controller → agent → worker) adds two
+        node-local pipe hops and skips the store's own protocol.
     """
     import torch.multiprocessing as mp
 

@@ -37,7 +37,7 @@ def polls_completion(backend: str) -> bool:
 
 def wait_polled(work: dist.Work, check: Callable[[], None], *, interval_s: float) -> None:
     """Poll ``work.is_completed()`` (cheap: an event query) every ``SPIN_S``, and ``check`` (which raises on a
-    fault; a store round trip) every ``interval_s``; then ``wait()``."""
+    fault; a shared-memory read) every ``interval_s``; then ``wait()``."""
     next_check = time.monotonic() + interval_s
     while not work.is_completed():
         if time.monotonic() >= next_check:

@@ -19,7 +19,7 @@ a step: ``forward``, ``backward``, ``sync``, ``optimizer``, or ``any`` (a unifor
 random moment of the step's compute, at its end at the latest, before its commit). A device the
 plan leaves idle fires its faults of a step as that step starts.
 Phases of the recovery that resumes at ``step``: ``recovery`` (as the worker starts
-on the new generation), ``rebuild`` (between connecting its world group and its
+on the new generation), ``rebuild`` (between connecting its first group and its
 other groups), ``transfer`` (at round ``round`` of the state transfer, by default
 the victim's first), ``redo`` (the forward of the redone step). ``decision`` fires
 from the controller while it decides on an earlier fault at ``step``. A fault at
@@ -209,7 +209,7 @@ class WorkerFaults:
         """Enter beacon phase ``phase`` of ``step`` (a recovery phase: of the recovery resuming at ``step``).
 
         ``rebuild`` with ``detail < 0`` starts a generation (fires ``recovery`` faults);
-        with ``detail ≥ 0`` the world group is connected (fires ``rebuild`` faults).
+        with ``detail ≥ 0`` its first group is connected (fires ``rebuild`` faults).
         """
         self.beacon.at(phase, step=step, generation=self._generation, detail=detail)
         recovering = self._generation > 0 and step == self._resume

@@ -63,7 +63,7 @@ def run_step(
     ``global_batch · seq_len``, so gradients summed over pipelines equal the
     single-process gradient of the mean loss. With ``train.clip_norm > 0`` the
     sum of squares of this device's pieces of the gradient follows the sync
-    (``norm_regions``, its part of ``checkpoint.writers``: over the plan they tile
+    (``norm_regions``, its part of :func:`chameleon.layout.geometry.writers`: over the plan they tile
     every tensor once, whatever the pipelines, TP degrees and reroutes); the
     controller adds the parts up, so the global norm costs no collective.
     ``on_phase(phase, step=, detail=)`` is called as each forward/backward (detail:
