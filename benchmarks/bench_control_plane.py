@@ -490,6 +490,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here (a list, one object per size)")
     parser.add_argument("--quick", action="store_true", help="64 devices, shorter steps and window (CI)")
     parser.add_argument("--step-s", type=float, default=0.5, help="an emulated step's duration")
+    parser.add_argument("--plot", help="draw each figure against the number of devices into this PNG")
     args = parser.parse_args()
     sizes = (args.devices,) if args.devices else (64,) if args.quick else SIZES
     step_s = 0.25 if args.quick else args.step_s
@@ -509,6 +510,40 @@ def main() -> None:
     print(f"load avg after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.plot:
+        plot(results, Path(args.plot))
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Each figure against devices on log-log axes, beside the O(devices) line through its smallest size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("commit overhead (ms)", ["commit_overhead_ms_p50", "commit_overhead_ms_p99"], 10.0),
+        ("controller CPU (ms/step)", ["controller_cpu_ms_per_step"], 50.0),
+        ("control bytes per step", ["control_bytes_per_step"], None),
+        ("node lost → next generation (s)", ["fault_to_generation_s", "decide_s"], 1.0),
+        ("re-join → grown generation (s)", ["rejoin_to_generation_s"], None),
+    ]
+    devices = [r["devices"] for r in results]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
+    for ax, (title, keys, goal) in zip(axes, panels):
+        for key in keys:
+            points = [(r["devices"], r[key]) for r in results if r[key]]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=key)
+                x0, y0 = points[0]
+                ax.plot(devices, [y0 * d / x0 for d in devices], ls=":", color="grey")
+        if goal is not None:
+            ax.axhline(goal, color="red", lw=0.8, label="goal at 8,192")
+        ax.set(xscale="log", yscale="log", xlabel="devices (8 per node)", title=title)
+        ax.legend(fontsize=6)
+    fig.suptitle("bench_control_plane.py: dotted, O(devices) from the smallest size", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
