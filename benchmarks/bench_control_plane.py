@@ -258,15 +258,20 @@ def _all_runs(plan: Plan) -> dict[int, list[tuple[int, int]]]:
 
 class _Decoded:
     """One emulator process's decoding of what its nodes receive: a frame broadcast to every node is the same bytes,
-    decoded once here (each real node decodes its own copy, all at the same time)."""
+    decoded once here (each real node decodes its own copy, all at the same time). The last few frames are kept, as
+    each node's own frames (its part of a manifest) arrive between the copies of a broadcast."""
+
+    KEEP = 4
 
     def __init__(self):
-        self.last: tuple[bytes, object] = (b"", None)
+        self.recent: dict[bytes, object] = {}
 
     def __call__(self, payload: bytes) -> object:
-        if payload != self.last[0]:
-            self.last = (payload, codec.decode(payload))
-        return self.last[1]
+        if payload not in self.recent:
+            if len(self.recent) >= self.KEEP:
+                del self.recent[next(iter(self.recent))]
+            self.recent[payload] = codec.decode(payload)
+        return self.recent[payload]
 
 
 # ----- emulator processes -------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
@@ -55,7 +55,8 @@ class Candidate:
     score: float = -math.inf
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k != "plan"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
+        out["transition_parts"] = dict(self.transition_parts)
         out["plan"] = None if self.plan is None else {"summary": self.plan.describe(), **asdict(self.plan)}
         return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in out.items()}
 
@@ -91,7 +92,7 @@ class Decision:
         return next((c for c in self.candidates if c.name == self.choice), None)
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k != "candidates"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "candidates"}
         out["candidates"] = [c.to_dict() for c in self.candidates]
         return out
 
