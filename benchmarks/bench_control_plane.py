@@ -2,9 +2,10 @@
 
 Usage::
 
-    python benchmarks/bench_control_plane.py [--devices N] [--json FILE] [--quick] [--step-s 0.5]
+    python benchmarks/bench_control_plane.py [--devices N ...] [--json FILE] [--plot PNG] [--quick] [--step-s 0.5]
+    python benchmarks/bench_control_plane.py --report FILE [--plot PNG]
 
-For each size (64 → 8,192 devices, 8 per node; ``--devices`` runs one) it starts the
+For each size (64 → 8,192 devices, 8 per node; ``--devices`` picks sizes) it starts the
 real :class:`~chameleon.runtime.controller.Controller` in this process — its protocol
 core, the real selector and planner on Llama-2-7B shapes (the analytic H100 profile,
 one 8-stage pipeline per node), its links and its recorder — and node agents that
@@ -489,34 +490,61 @@ def _p99(values: list[float]) -> float:
     return values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]
 
 
+FITTED = ("commit_overhead_ms_p99", "controller_cpu_ms_per_step", "control_bytes_per_step", "fault_to_generation_s",
+          "decide_s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, help="one size (a multiple of 8, at least 16)")
+    parser.add_argument("--devices", type=int, nargs="+", help="the sizes to run (multiples of 8, at least 16)")
     parser.add_argument("--json", help="write the results here (a list, one object per size)")
     parser.add_argument("--quick", action="store_true", help="64 devices, shorter steps and window (CI)")
     parser.add_argument("--step-s", type=float, default=0.5, help="an emulated step's duration")
     parser.add_argument("--plot", help="draw each figure against the number of devices into this PNG")
+    parser.add_argument("--report", help="run nothing: report the sizes a --json FILE holds (table, fit, plot)")
     args = parser.parse_args()
-    sizes = (args.devices,) if args.devices else (64,) if args.quick else SIZES
-    step_s = 0.25 if args.quick else args.step_s
-    header(f"real controller and agents, emulated workers, {PER_NODE} per node, {NODES_PER_PROCESS} nodes per emulator")
-    results = []
     print("| devices | nodes | commit overhead p50 / p99 (ms) | delivered p99 (ms) | controller CPU (ms/step) | "
           "store ops/step | bytes/step | node lost → next generation (s) | decide (s) | re-join → grown (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for devices in sizes:
-        r = run_size(devices, step_s=step_s, window=8 if args.quick else WINDOW)
-        results.append(r)
-        rejoin = f"{r['rejoin_to_generation_s']:.3f}" if r["rejoin_to_generation_s"] is not None else r["growth"]
-        print(f"| {r['devices']} | {r['nodes']} | {r['commit_overhead_ms_p50']:.2f} / {r['commit_overhead_ms_p99']:.2f} | "
-              f"{r['commit_delivered_ms_p99']:.2f} | {r['controller_cpu_ms_per_step']:.1f} | {r['store_ops_per_step']:.0f} | "
-              f"{r['control_bytes_per_step']:.0f} | {r['fault_to_generation_s']:.3f} | {r['decide_s']:.3f} | {rejoin} |",
-              flush=True)
-    print(f"load avg after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    if args.report:
+        results = json.loads(Path(args.report).read_text())
+        for r in results:
+            print(_row(r))
+    else:
+        sizes = args.devices or ((64,) if args.quick else SIZES)
+        step_s = 0.25 if args.quick else args.step_s
+        header(f"real controller and agents, emulated workers, {PER_NODE} per node, {NODES_PER_PROCESS} nodes per emulator")
+        results = []
+        for devices in sizes:
+            results.append(run_size(devices, step_s=step_s, window=8 if args.quick else WINDOW))
+            print(_row(results[-1]), flush=True)
+            if args.json:  # kept size by size: a later size that cannot run loses nothing
+                Path(args.json).write_text(json.dumps(results, indent=1))
+        print(f"load avg after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    if len(results) > 2:
+        print("\nleast-squares line against nodes (a + b·nodes), and its value at 16,384 devices (2,048 nodes):")
+        for key in FITTED:
+            a, b = fit(results, key)
+            print(f"  {key}: a = {a:.4g}, b = {b:.4g} per node → {a + b * 2048:.4g}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.plot:
         plot(results, Path(args.plot))
+
+
+def _row(r: dict) -> str:
+    rejoin = f"{r['rejoin_to_generation_s']:.3f}" if r["rejoin_to_generation_s"] is not None else r["growth"]
+    return (f"| {r['devices']} | {r['nodes']} | {r['commit_overhead_ms_p50']:.2f} / {r['commit_overhead_ms_p99']:.2f} | "
+            f"{r['commit_delivered_ms_p99']:.2f} | {r['controller_cpu_ms_per_step']:.1f} | {r['store_ops_per_step']:.0f} | "
+            f"{r['control_bytes_per_step']:.0f} | {r['fault_to_generation_s']:.3f} | {r['decide_s']:.3f} | {rejoin} |")
+
+
+def fit(results: list[dict], key: str) -> tuple[float, float]:
+    """Least-squares ``a + b·nodes`` of figure ``key`` over the sizes."""
+    import numpy as np
+
+    b, a = np.polyfit([r["nodes"] for r in results], [r[key] for r in results], 1)
+    return float(a), float(b)
 
 
 def plot(results: list[dict], path: Path) -> None:
