@@ -46,3 +46,5 @@ def test_the_emulator_measures_the_real_controller(tmp_path):
     assert r["store_ops_per_step"] == 0 and r["store_keys_before_after"][0] == r["store_keys_before_after"][1]
     assert 0 < r["commit_overhead_ms_p50"] <= r["commit_overhead_ms_p99"] and r["control_bytes_per_step"] > 0
     assert r["fault_to_generation_s"] > 0 and r["growth"] == "grow" and r["rejoin_to_generation_s"] > 0
+    again = run("bench_control_plane.py", "--report", str(out), "--plot", str(tmp_path / "cp.png"))
+    assert again.returncode == 0 and "| 64 | 8 |" in again.stdout and (tmp_path / "cp.png").stat().st_size > 0

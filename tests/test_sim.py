@@ -82,7 +82,8 @@ def test_checkpoint_writes_follow_young_daly():
 
 
 @pytest.mark.parametrize("trace", [("trace=oobleck", "trace.interval_s=1800", "sim.horizon_h=8"),
-                                   ("trace=poisson", "trace.device_mtbf_h=40", "trace.repair_h=1", "sim.horizon_h=12")])
+                                   pytest.param(("trace=poisson", "trace.device_mtbf_h=40", "trace.repair_h=1",
+                                                 "sim.horizon_h=12"), marks=pytest.mark.full)])
 def test_time_breakdown_sums_to_the_horizon(trace):
     runs, _, events, horizon = run_all(*trace)
     assert any(e.kind == "remove" for e in events)
