@@ -193,10 +193,10 @@ class EmulatedPool:
         return {d: (Position(self.generation, -1, "commit"), 0.0) for d in self.alive}
 
     def waitables(self) -> list:
-        return []
+        return []  # emulated workers have no pipes: on_ready is never called
 
     def on_ready(self, item) -> None:
-        pass
+        raise AssertionError("emulated workers have no pipes to wait on")
 
     def stop(self, *, grace_s: float) -> None:
         self.timers = []
@@ -396,10 +396,8 @@ def _cpu_ns(pid: int) -> int:
     """CPU time of every thread of ``pid`` so far, in nanoseconds."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a thread that ended meanwhile
             total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError):
-            pass
     return total
 
 
@@ -503,6 +501,11 @@ def main() -> None:
     parser.add_argument("--plot", help="draw each figure against the number of devices into this PNG")
     parser.add_argument("--report", help="run nothing: report the sizes a --json FILE holds (table, fit, plot)")
     args = parser.parse_args()
+    if args.devices and any(n % PER_NODE or n < 2 * PER_NODE for n in args.devices):
+        parser.error(f"--devices {' '.join(map(str, args.devices))}: every size must be a multiple of {PER_NODE}, "
+                     f"at least {2 * PER_NODE}")
+    if args.report and not Path(args.report).is_file():
+        parser.error(f"--report {args.report}: no such file (write one with --json FILE)")
     print("| devices | nodes | commit overhead p50 / p99 (ms) | delivered p99 (ms) | controller CPU (ms/step) | "
           "store ops/step | bytes/step | node lost → next generation (s) | decide (s) | re-join → grown (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|")

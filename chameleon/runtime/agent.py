@@ -147,7 +147,7 @@ class Agent:
                 if dying is not None:
                     self._fire_node_fault(dying.fault)
             case Renew():
-                pass
+                pass  # its arrival renewed the lease (_serve_once); nothing else to do
             case _:
                 raise TypeError(f"unexpected message from the controller: {order!r}")
 
@@ -183,7 +183,7 @@ class Agent:
                     del current.synced[step]
                     self.report(_node_synced(self.node, g, step, [book[t] for t in current.trainers]))
             case Synced():
-                pass
+                pass  # of a generation already superseded
             case CheckpointSaved(device=d, generation=g, step=step):
                 writers = self.writers.get(g)
                 if writers is None:

@@ -167,21 +167,17 @@ class Link:
         return self._early.pop(0)[0] if self._early else None
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
 
     def close_with(self, message: object, *, timeout_s: float = 1.0) -> None:
         """Send a last ``message``, waiting at most ``timeout_s`` for the socket to take it, and close."""
         deadline = time.monotonic() + timeout_s
-        try:
+        with contextlib.suppress(OSError):
             self.send(message)
             while self.pending and time.monotonic() < deadline:
                 select.select([], [self.sock], [], max(0.0, deadline - time.monotonic()))
                 self.flush()
-        except OSError:
-            pass
         self.close()
 
     def _digest(self, direction: bytes, sequence: int, payload: bytes) -> bytes:
@@ -260,10 +256,8 @@ class Listener:
 
     def drain(self) -> list[tuple[Link | None, str | None]]:
         """Everything that arrived since the last call."""
-        try:
+        with contextlib.suppress(BlockingIOError):
             os.read(self._wake_r, 1 << 16)
-        except BlockingIOError:
-            pass
         out = []
         while not self.arrivals.empty():
             out.append(self.arrivals.get())
