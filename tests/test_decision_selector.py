@@ -8,7 +8,8 @@ import pytest
 
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.planner import Planner
-from chameleon.decision.selector import decide, estimate_d, reroute_plan, score
+from chameleon.decision.selector import decide, estimate_d, precompute_replans, reroute_plan, score
+from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import PlanError, even_plan, validate_plan
 from tests.test_decision_estimator import tiny_profile
 
@@ -59,6 +60,23 @@ def test_decision_chooses_by_eq8_and_logs_every_candidate():
     for c in long.candidates:
         if c.feasible:
             assert c.peak_memory <= prof.memory_bytes and c.plan is not None
+
+
+def test_a_fault_after_precompute_replans_searches_nothing_and_decides_as_a_cold_planner(monkeypatch):
+    """Every search the re-plan weighs (the best on the survivors, on fewer units, of two pipelines) ran ahead."""
+    prof = tiny_profile(n_layers=8)
+    plan = even_plan(dp=2, pp=4, tp=1, n_layers=8, global_batch=16, micro_batch=1)
+    cold = decide(prof, plan, {1}, policy=PolicyConfig(fixed_d_s=1e6), planner=Planner(prof))
+    warm = Planner(prof)
+    ahead = precompute_replans(plan, warm, {1})
+    searches = []
+    for planner in (warm, warm.replicated):
+        monkeypatch.setattr(planner, "_fast", lambda *args: searches.append(args))
+    units = geometry_of(plan).units(set(plan.devices) - {1})
+    d = decide(prof, plan, {1}, policy=PolicyConfig(fixed_d_s=1e6), planner=warm,
+               precomputed=ahead.plan_for(units, plan, prof))
+    assert searches == [], "a likely fault needs no search"
+    assert d.choice == cold.choice and d.chosen.plan == cold.chosen.plan
 
 
 def test_forced_policy_goes_through_the_same_machinery():

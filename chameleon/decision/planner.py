@@ -401,10 +401,13 @@ class Planner:
             if remaining == 0:
                 if not self._allowed(k, n_micro):
                     return
-                fixed = self._fixed(tuple(sp for sp, _ in shape), k)
                 # A pipeline's busiest stage runs m·bottleneck, so τ ≥ n_micro / Σ count/bottleneck.
                 rate = sum(c / sp.bottleneck for sp, c in shape)
-                if max(fill, n_micro / rate) + fixed >= top.bound:
+                lower = max(fill, n_micro / rate)
+                if lower + self._floor(params, k) >= top.bound:
+                    return  # before the coloured rounds, which cost a geometry per new set of splits
+                fixed = self._fixed(tuple(sp for sp, _ in shape), k)
+                if lower + fixed >= top.bound:
                     return
                 tau = min_step(list(shape), n_micro)
                 if tau is not None:

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.measured import Measured
-from chameleon.decision.planner import Planner
+from chameleon.decision.planner import Planner, Precomputed, precompute
 from chameleon.decision.profiler import Profile
 from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Reroute, Stage, validate_plan
@@ -306,6 +306,19 @@ def replans(planner: Planner, units: list[tuple[int, ...]], *, n_micro: int, mic
     if len(units) > 1 and (not out or geometry_of(out[0][0]).exposure(domains) > 0):
         out += best(planner.replicated, units, previous) + best(planner.replicated, ordered, None)
     return out + [(plan, 0.0) for plan in measured.plans_on({d for unit in units for d in unit})]
+
+
+def precompute_replans(plan: Plan, planner: Planner, losses) -> Precomputed:
+    """:func:`~chameleon.decision.planner.precompute`, and the searches :func:`replans` adds after those losses on
+    up to :data:`IDLE_UNITS` units (the best on fewer units, the best of two pipelines or more), so the planner
+    holds them cached and the likely next fault needs no search."""
+    ahead = precompute(plan, planner, losses)
+    for left in ahead.shapes:
+        if left <= IDLE_UNITS:
+            for k in range(1, min(IDLE_OPTIONS, left - 1) + 1):
+                planner.search(left - k, plan.n_micro_batches)
+            planner.replicated.search(left, plan.n_micro_batches)
+    return ahead
 
 
 def candidates(

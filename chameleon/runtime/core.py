@@ -33,9 +33,9 @@ from pathlib import Path
 from chameleon.config import Config, world_size
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.measured import Measured, plan_shape
-from chameleon.decision.planner import Planner, precompute
+from chameleon.decision.planner import Planner
 from chameleon.decision.profiler import Profile
-from chameleon.decision.selector import Decision
+from chameleon.decision.selector import Decision, precompute_replans
 from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Plan
 from chameleon.layout.relayout import Manifest, manifest_parts
@@ -587,7 +587,7 @@ class Core:
         self.resident = self.spec.plan
         self.resident_times = self.ran.setdefault(plan_shape(self.resident), (self.resident, []))[1]
         if self.policy.precompute:  # the likely next faults need no search (the planner runs meanwhile)
-            self.precomputed = (self.resident, self.planner.submit(precompute, self.resident, self.planner_,
+            self.precomputed = (self.resident, self.planner.submit(precompute_replans, self.resident, self.planner_,
                                                                    self._likely_losses()))
         now = self.clock.wall()
         self.last_commit = self.last_progress = self.clock.mono()
