@@ -125,6 +125,7 @@ def test_resume_refuses_another_models_checkpoint(checkpoint):
     assert "belongs to another model" in line and "resume with the model it was saved with" in line
 
 
+@pytest.mark.full  # over 5 s: the full suite
 def test_refused_commands_end_in_one_line_and_touch_no_earlier_run(tmp_path, checkpoint):
     """Real commands: exit 2, one line, no traceback; a finished run's directory is left as it was."""
     finished = checkpoint.parent

@@ -201,6 +201,7 @@ def _tp_worker(rank: int, world: int, port: int, out_path: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.full  # over 5 s: the full suite
 def test_gpt_tensor_parallel_gloo_matches_single_process(tmp_path) -> None:
     """Two gloo ranks holding the shards the spec's rules give them compute the unsharded loss and gradients."""
     out_path = str(tmp_path / "tp")

@@ -59,6 +59,7 @@ def test_no_fault_runs_at_each_policys_own_failure_free_throughput():
     assert runs["bamboo"].initial_throughput < 0.9 * ref  # the redundant forward, before any fault
 
 
+@pytest.mark.full  # over 5 s: the full suite
 def test_reference_is_the_best_plan_on_the_cluster_so_no_ratio_exceeds_one():
     runs, setup, *_ = run_all("sim.initial=planner", "trace=oobleck", "trace.interval_s=1800", "trace.repair_h=1",
                               "sim.horizon_h=8")
@@ -81,9 +82,9 @@ def test_checkpoint_writes_follow_young_daly():
     assert runs["checkpoint"].breakdown["transition"] == pytest.approx(n_writes * write, rel=1e-6)
 
 
+@pytest.mark.full  # over 5 s: the full suite
 @pytest.mark.parametrize("trace", [("trace=oobleck", "trace.interval_s=1800", "sim.horizon_h=8"),
-                                   pytest.param(("trace=poisson", "trace.device_mtbf_h=40", "trace.repair_h=1",
-                                                 "sim.horizon_h=12"), marks=pytest.mark.full)])
+                                   ("trace=poisson", "trace.device_mtbf_h=40", "trace.repair_h=1", "sim.horizon_h=12")])
 def test_time_breakdown_sums_to_the_horizon(trace):
     runs, _, events, horizon = run_all(*trace)
     assert any(e.kind == "remove" for e in events)
@@ -93,6 +94,7 @@ def test_time_breakdown_sums_to_the_horizon(trace):
         assert sum(e - s for s, e, _ in res.timeline) == pytest.approx(horizon, rel=1e-9)
 
 
+@pytest.mark.full  # over 5 s: the full suite
 def test_same_seed_same_result_other_seed_differs():
     a = run_all("trace=poisson", "trace.device_mtbf_h=40", "sim.horizon_h=6", policies=("chameleon", "torchft"))
     b = run_all("trace=poisson", "trace.device_mtbf_h=40", "sim.horizon_h=6", policies=("chameleon", "torchft"))
@@ -102,6 +104,7 @@ def test_same_seed_same_result_other_seed_differs():
     assert a[0]["chameleon"].samples != c[0]["chameleon"].samples
 
 
+@pytest.mark.full  # over 5 s: the full suite
 @pytest.mark.parametrize("interval, winner, loser", [(20, "reroute", "dynamic"), (21600, "dynamic", "reroute")])
 def test_frequent_faults_favour_reroute_rare_ones_dynamic(interval, winner, loser):
     # Every data-parallel message costs 4 s to start: a re-plan fetches each unit a device lacks in one (tens of
@@ -119,6 +122,7 @@ def test_frequent_faults_favour_reroute_rare_ones_dynamic(interval, winner, lose
         assert runs[name].throughput == pytest.approx(runs[winner].throughput)
 
 
+@pytest.mark.full  # over 5 s: the full suite
 def test_torchft_shrinks_the_batch_and_oobleck_idles_repaired_cards():
     runs, setup, *_ = run_all("trace=oobleck", "trace.interval_s=3600", "trace.n_removals=3", "trace.repair_h=1.5",
                               "sim.horizon_h=6", policies=("chameleon", "oobleck", "torchft"))
