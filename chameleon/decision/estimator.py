@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from chameleon.decision.profiler import Profile
 from chameleon.layout import memory
@@ -71,17 +73,24 @@ def stage_memory(profile: Profile, n_layers: int, *, first: bool, last: bool, in
     return memory.stage_memory(profile.memory_costs, n_layers, first=first, last=last, in_flight=in_flight, tp=profile.tp)
 
 
-def one_f_one_b_order(n_stages: int, stage: int, n_micro: int) -> list[tuple[bool, int]]:
+@lru_cache(maxsize=4096)
+def one_f_one_b_order(n_stages: int, stage: int, n_micro: int) -> tuple[tuple[bool, int], ...]:
     """The runtime's 1F1B op sequence of ``stage`` (:func:`chameleon.layout.schedule.one_f_one_b`): ``(is_backward, micro)``."""
-    return [(a.kind == "B", a.micro) for a in one_f_one_b(pipeline=0, stage=stage, n_stages=n_stages, n_micro=n_micro)]
+    return tuple((a.kind == "B", a.micro) for a in one_f_one_b(pipeline=0, stage=stage, n_stages=n_stages, n_micro=n_micro))
 
 
-def pipeline_time(fwd: list[float], bwd: list[float], n_micro: int) -> float:
+def pipeline_time(fwd: Sequence[float], bwd: Sequence[float], n_micro: int) -> float:
     """Eq. 11: the longest path through one pipeline's 1F1B DAG, O(stages · micro-batches).
 
     An op starts when the previous op on its stage and its data dependency
-    (F on the stage above, B on the stage below) have finished.
+    (F on the stage above, B on the stage below) have finished. Pure, so remembered:
+    the planner, the selector and the simulator ask for the same pipelines again and again.
     """
+    return _longest_path(tuple(fwd), tuple(bwd), n_micro)
+
+
+@lru_cache(maxsize=1 << 16)
+def _longest_path(fwd: tuple[float, ...], bwd: tuple[float, ...], n_micro: int) -> float:
     n_stages = len(fwd)
     orders = [one_f_one_b_order(n_stages, s, n_micro) for s in range(n_stages)]
     f_end = [[-1.0] * n_micro for _ in range(n_stages)]
