@@ -181,6 +181,22 @@ def test_a_lease_lapses_into_a_lost_node_and_a_lease_is_answered():
     assert sent(out, Flag) == [Flag(0)] and "missed its lease" in [e.event for e in of(out, Record)][0]["cause"]
 
 
+def test_a_lease_is_judged_on_what_the_controller_read_not_on_its_own_stall():
+    """Time the controller spent after it last read its links (a long decision, a descheduled process) is no
+    node's silence: the tick judges leases as of that reading."""
+    clock = FakeClock()
+    core = started(core_of(clock=clock))
+    core.handle(Received(1, Lease(1, 0)))
+    clock.advance(0.5)
+    heard_at = clock.mono()
+    clock.advance(2.5)  # the controller stalled after reading every link at heard_at
+    assert not sent(core.handle(Tick(heard_at=heard_at)), Flag)
+    clock.advance(0.1)
+    out = core.handle(Tick(heard_at=clock.mono()))  # read again, and node 1 had still said nothing
+    assert sent(out, Flag) == [Flag(0)]
+    assert "nothing heard for 3.1 s" in [e.event for e in of(out, Record)][0]["cause"]
+
+
 def test_a_node_fault_is_noted_before_it_strikes_and_the_recovery_says_where():
     core = started(core_of("policy.name=dynamic"))
     where = Position(0, 1, "backward", 1, -1)

@@ -102,6 +102,7 @@ class Controller:
         self.node_of: dict[Link, int] = {}
         self.arriving: dict[Link, float] = {}
         self.selector = selectors.DefaultSelector()
+        self.heard_at = time.monotonic()  # when every link was last read (leases are judged up to then)
         self.watched: dict[int, object] = {}  # node 0's worker pipes and sentinels, by descriptor
         self.inbox: list[object] = []
         self.recorder: Recorder | None = None
@@ -168,14 +169,17 @@ class Controller:
             if time.monotonic() - tick >= TICK_S:
                 tick = time.monotonic()
                 self._select(0.0)  # what arrived while the loop was busy (a long decision) renews leases first
+                heard_at = self.heard_at  # whatever runs from here on (a decision, a stall) is not a node's silence
                 self.agent.pool.tick()
                 self._drain()
-                self._handle(Tick())
+                self._handle(Tick(heard_at))
                 self._expire_arrivals()
 
     def _select(self, timeout_s: float) -> None:
         self._watch_local()
-        for key, events in self.selector.select(timeout=timeout_s):
+        ready = self.selector.select(timeout=timeout_s)
+        self.heard_at = time.monotonic()  # every link is read below: nothing sent before now goes unseen
+        for key, events in ready:
             self._on_ready(key.fileobj if key.data is None else key.data, events)
         self._drain()
 

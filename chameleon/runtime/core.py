@@ -95,7 +95,13 @@ class Refused:
 
 @dataclass(frozen=True)
 class Tick:
-    """Time passed (leases, the watchdog, timed faults, growth)."""
+    """Time passed (leases, the watchdog, timed faults, growth).
+
+    ``heard_at``: when the controller last read every link (monotonic; None: now). Leases are judged on the
+    silence up to then, never on time the controller itself spent between that reading and this tick.
+    """
+
+    heard_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -375,8 +381,8 @@ class Core:
                 self._on_node_lost(node, cause)
             case Refused(why=why):
                 self._refused(why)
-            case Tick():
-                self._tick()
+            case Tick(heard_at=heard_at):
+                self._tick(heard_at)
             case Preempt():
                 self.preempt = True
             case _:
@@ -398,7 +404,7 @@ class Core:
     def _record(self, **event) -> None:
         self._emit(Record(event))
 
-    def _tick(self) -> None:
+    def _tick(self, heard_at: float | None) -> None:
         now = self.clock.mono()
         if self.generation < 0 and len(self.nodes) < self.launcher.nnodes and now > self.join_deadline:
             missing = sorted(set(range(self.launcher.nnodes)) - set(self.nodes))
@@ -409,8 +415,9 @@ class Core:
             )
         if now - self.leases_checked >= LEASE_CHECK_S:
             self.leases_checked = now
-            for node in self.detector.lapsed(now):
-                self._on_node_lost(node, f"its agent missed its lease ({self.ft.heartbeat_timeout_s:g} s)")
+            for node, silent_s in self.detector.lapsed(now if heard_at is None else heard_at).items():
+                self._on_node_lost(node, f"its agent missed its lease ({self.ft.heartbeat_timeout_s:g} s; "
+                                         f"nothing heard for {silent_s:.1f} s)")
         if self.t_train is not None:
             for f in self.injector.due(self.clock.wall() - self.t_train):
                 self._inject(f)

@@ -3,7 +3,9 @@
 Process exits and stopped heartbeats are seen by each node's agent, which reports
 them; what only the controller can see is here. A node whose agent sent nothing
 within ``lease_timeout_s`` is lost (the agent fences its own workers): every message
-a node sends renews its lease, and an agent with nothing to say sends a lease. And
+a node sends renews its lease, and an agent with nothing to say sends a lease. Silence
+is measured up to the moment the controller last read every link, so time the
+controller itself spent elsewhere (a long decision, a stall) is no node's silence. And
 when no step commits for longer than the progress bound, the watchdog asks every
 agent where its workers are (each answers with every worker's position and how
 long its progress counter has stood still, measured on its node); a device that
@@ -51,9 +53,10 @@ class Detector:
     def forget(self, node: int) -> None:
         self.leases.pop(node, None)
 
-    def lapsed(self, now: float) -> list[int]:
-        """Nodes whose lease was not renewed in time."""
-        return [n for n, t in self.leases.items() if now - t > self.lease_timeout_s]
+    def lapsed(self, heard_at: float) -> dict[int, float]:
+        """Nodes whose lease was not renewed in time, with how long each was silent, as of ``heard_at``: when
+        the controller last read every link (what a node sent before then has been seen)."""
+        return {n: heard_at - t for n, t in self.leases.items() if heard_at - t > self.lease_timeout_s}
 
 
 def stall(silent: set[int], positions: dict[int, tuple[Position, float]], *, bound_s: float) -> Stall:
