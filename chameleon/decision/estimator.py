@@ -89,6 +89,11 @@ def pipeline_time(fwd: Sequence[float], bwd: Sequence[float], n_micro: int) -> f
     return _longest_path(tuple(fwd), tuple(bwd), n_micro)
 
 
+def forget() -> None:
+    """Drop the remembered pipeline times (what a benchmark of a cold search starts from)."""
+    _longest_path.cache_clear()
+
+
 @lru_cache(maxsize=1 << 16)
 def _longest_path(fwd: tuple[float, ...], bwd: tuple[float, ...], n_micro: int) -> float:
     n_stages = len(fwd)
