@@ -1,4 +1,4 @@
-"""Tests of the functional Llama-2 against an independent ``torch.nn`` reference."""
+"""Tests of the functional Llama (2, and 3's rotary scaling) against an independent ``torch.nn`` reference."""
 
 from __future__ import annotations
 
@@ -11,12 +11,16 @@ import torch.distributed as dist
 from torch import nn
 
 from chameleon.model.config import ModelConfig
+from chameleon.model import llama
 from chameleon.model.llama import LLAMA, param_shapes, stage_forward, stage_param_names
 from chameleon.model.spec import MegatronTP
 from conftest import run_ranks
 
 GQA = ModelConfig(name="gqa", dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16)
 MHA = ModelConfig(name="mha", dim=32, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=64, multiple_of=16)
+# Llama 3.1's scaling with head_dim 8: wavelengths 2π·10⁴^(j/4) = 6.3 (kept), 63 (blended), 628 and 6283 (÷ 4).
+LLAMA3 = ModelConfig(name="llama3", dim=32, n_layers=3, n_heads=4, n_kv_heads=1, vocab_size=64, multiple_of=16,
+                     rope_scaling="llama3", rope_factor=4.0, rope_original_max_seq_len=64)
 LLAMA2_7B = ModelConfig(
     name="llama2-7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000, multiple_of=256
 )
@@ -47,10 +51,31 @@ class RefRMSNorm(nn.Module):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def ref_rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
+def ref_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Meta's Llama 3.1 ``apply_scaling``, one frequency at a time (plain RoPE without ``rope_scaling``)."""
+    d = cfg.head_dim
+    freqs = [1.0 / cfg.rope_theta ** (i / d) for i in range(0, d, 2)]
+    if cfg.rope_scaling is not None:
+        old, low, high = cfg.rope_original_max_seq_len, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        low_wavelen, high_wavelen = old / low, old / high
+        scaled = []
+        for f in freqs:
+            wavelen = 2 * math.pi / f
+            if wavelen < high_wavelen:
+                scaled.append(f)
+            elif wavelen > low_wavelen:
+                scaled.append(f / cfg.rope_factor)
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                scaled.append((1 - smooth) * f / cfg.rope_factor + smooth * f)
+        freqs = scaled
+    return torch.tensor(freqs, dtype=torch.float64)
+
+
+def ref_rotary(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """Meta's convention: adjacent pairs as complex numbers times e^(i·pos·freq)."""
     _, s, _, d = x.shape
-    freqs = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    freqs = ref_frequencies(cfg)
     rot = torch.polar(torch.ones(s, d // 2, dtype=torch.float64), torch.outer(torch.arange(s), freqs))
     xc = torch.view_as_complex(x.double().reshape(*x.shape[:-1], d // 2, 2))
     return torch.view_as_real(xc * rot[None, :, None, :]).flatten(-2).to(x.dtype)
@@ -69,8 +94,8 @@ class RefAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg, (b, s, _) = self.cfg, x.shape
         hd, group = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
-        q = ref_rotary(self.wq(x).view(b, s, cfg.n_heads, hd), cfg.rope_theta)
-        k = ref_rotary(self.wk(x).view(b, s, cfg.n_kv_heads, hd), cfg.rope_theta)
+        q = ref_rotary(self.wq(x).view(b, s, cfg.n_heads, hd), cfg)
+        k = ref_rotary(self.wk(x).view(b, s, cfg.n_kv_heads, hd), cfg)
         v = self.wv(x).view(b, s, cfg.n_kv_heads, hd)
         # Query head h reads kv head h // group.
         k = k[:, :, [h // group for h in range(cfg.n_heads)]]
@@ -235,7 +260,7 @@ PRECISIONS = {"fp32": (torch.float32, 0.1, RTOL, ATOL), "fp64": (torch.float64, 
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("cfg", [GQA, MHA], ids=["gqa", "mha"])
+@pytest.mark.parametrize("cfg", [GQA, MHA, LLAMA3], ids=["gqa", "mha", "llama3"])
 def test_forward_matches_nn_reference(cfg: ModelConfig, precision: str) -> None:
     dtype, scale, rtol, atol = PRECISIONS[precision]
     params = random_params(cfg, 1, scale=scale, dtype=dtype)
@@ -259,6 +284,56 @@ def test_forward_matches_nn_reference(cfg: ModelConfig, precision: str) -> None:
     (ref_loss / targets.numel()).backward()
     ref_grads = {n.removesuffix(".weight"): p.grad for n, p in ref.named_parameters()}
     assert_close_dicts(grads(params), {n: ref_grads[n] for n in params}, rtol=rtol, atol=atol)
+
+
+def test_llama3_frequencies_keep_blend_and_scale() -> None:
+    plain = llama.rope_frequencies(LLAMA3.head_dim, LLAMA3.rope_theta)
+    scaled = llama.rope_frequencies(LLAMA3.head_dim, LLAMA3.rope_theta, LLAMA3.rope_scaling_params)
+    torch.testing.assert_close(scaled, ref_frequencies(LLAMA3), rtol=1e-14, atol=0)
+    assert scaled[0] == plain[0] and plain[1] / 4 < scaled[1] < plain[1]
+    torch.testing.assert_close(scaled[2:], plain[2:] / 4, rtol=1e-14, atol=0)
+    for bad, key in (({"rope_scaling": "yarn"}, "model.rope_scaling='yarn': use null"),
+                     ({"rope_scaling": "llama3", "rope_low_freq_factor": 4.0}, "model.rope_low_freq_factor=4.0")):
+        with pytest.raises(ValueError, match=key):
+            ModelConfig(**bad)
+
+
+class SdpaCalls(torch.overrides.TorchFunctionMode):
+    """Records the kv head count and ``enable_gqa`` of every SDPA call, and every ``repeat_interleave``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sdpa: list[tuple[int, bool]] = []
+        self.repeats = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.scaled_dot_product_attention:
+            self.sdpa.append((args[1].shape[1], kwargs.get("enable_gqa", False)))
+        self.repeats += getattr(func, "__name__", "") == "repeat_interleave"
+        return func(*args, **kwargs)
+
+
+def test_grouped_query_attention_shares_kv_heads_or_repeats_them(monkeypatch) -> None:
+    """On the CPU the kernel reads the shared kv heads in place; where it cannot (CUDA's fp32, say) they are
+    repeated, with the same loss and gradients."""
+    cfg = GQA
+    tokens, targets = batch(cfg, seed=4)
+    losses, grad_sets = [], []
+    for shares in (True, False):
+        monkeypatch.setattr(llama, "_reads_grouped_kv", lambda q, k, v, shares=shares: shares)
+        params = random_params(cfg, 3)
+        with SdpaCalls() as calls:
+            loss = LLAMA.full_forward_loss(params, cfg, tokens, targets)
+        (loss / targets.numel()).backward()
+        expected = (cfg.n_kv_heads, True) if shares else (cfg.n_heads, False)
+        assert calls.sdpa == [expected] * cfg.n_layers and calls.repeats == (0 if shares else 2 * cfg.n_layers)
+        losses.append(loss.detach())
+        grad_sets.append(grads(params))
+    torch.testing.assert_close(losses[0], losses[1], rtol=RTOL, atol=ATOL)
+    assert_close_dicts(grad_sets[0], grad_sets[1], rtol=RTOL, atol=ATOL)
+    monkeypatch.undo()
+    assert llama._reads_grouped_kv(*(torch.zeros(1, h, 2, 8) for h in (4, 2, 2)))
 
 
 def test_stage_split_matches_full_forward() -> None:

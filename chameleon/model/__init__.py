@@ -1,1 +1,1 @@
-"""Functional Llama-2: configuration, parameter tree, initialisation, stage forward, Hugging Face checkpoints."""
+"""Functional decoders (Llama 2 and 3, GPT-2-style): configuration, parameters, forward, Hugging Face checkpoints."""

@@ -6,7 +6,9 @@ rotate together. Hugging Face's ``LlamaForCausalLM`` rotates dimension ``j`` wit
 of every head permuted to match (the permutation its Meta→HF conversion applies).
 :func:`load_hf` undoes it and :func:`export_hf` applies it, so both directions give
 the same logits. Only ``model.arch=llama`` maps: another architecture is refused with
-a one-line error. Everything else maps name for name:
+a one-line error. Llama 3's rotary scaling (``rope_type: llama3``) maps to
+``model.rope_scaling=llama3`` and its four ``model.rope_*`` numbers; another rope type is
+refused. Everything else maps name for name:
 
 ===========================  ==========================================
 here                         Hugging Face
@@ -105,16 +107,58 @@ def _row_heads(cfg: ModelConfig, name: str) -> int | None:
     return None
 
 
+_ROPE_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor", "rope_high_freq_factor": "high_freq_factor",
+              "rope_original_max_seq_len": "original_max_position_embeddings"}
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    """Hugging Face's ``rope_parameters`` (``rope_scaling`` plus ``rope_theta``) of this model."""
+    if cfg.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    scaling = {hf: getattr(cfg, key) for key, hf in _ROPE_KEYS.items()}
+    return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, **scaling}
+
+
 def hf_config(cfg: ModelConfig) -> dict:
-    """``config.json`` of ``LlamaForCausalLM`` for this model (fp32, untied embeddings)."""
+    """``config.json`` of ``LlamaForCausalLM`` for this model (fp32, untied embeddings).
+
+    Llama 3 scaling is written both ways ``transformers`` reads it: ``rope_scaling`` (with a
+    top-level ``rope_theta``, as Meta's checkpoints have it) and ``rope_parameters``.
+    """
+    rope = _rope_parameters(cfg)
+    scaling = {"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}} if cfg.rope_scaling else {}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
         "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden_dim, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": cfg.max_seq_len,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta, **scaling, "rope_parameters": rope,
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": "float32",
     }
+
+
+def _rope_overrides(config: Mapping) -> dict[str, object]:
+    """The ``model.rope_*`` values of a ``config.json``'s ``rope_scaling`` / ``rope_parameters``.
+
+    Raises:
+        HFCheckpointError: a rope type other than default and llama3.
+    """
+    rope = {**(config.get("rope_parameters") or {}), **(config.get("rope_scaling") or {})}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return {"rope_theta": theta, "rope_scaling": None}
+    if kind != "llama3":
+        raise HFCheckpointError(f"model.init: the checkpoint's rope_type={kind} cannot be expressed by this Llama "
+                                "model (only default and llama3 can)")
+    rope.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+    absent = [hf for hf in _ROPE_KEYS.values() if rope.get(hf) is None]
+    if absent:
+        raise HFCheckpointError(f"model.init: the checkpoint's llama3 rope scaling lacks {', '.join(absent)}: "
+                                "add it to rope_scaling in its config.json")
+    numbers = {k: float(rope[hf]) for k, hf in _ROPE_KEYS.items()}
+    numbers["rope_original_max_seq_len"] = int(rope["original_max_position_embeddings"])
+    return {"rope_theta": theta, "rope_scaling": "llama3", **numbers}
 
 
 def model_overrides(config: Mapping) -> dict[str, object]:
@@ -124,15 +168,14 @@ def model_overrides(config: Mapping) -> dict[str, object]:
     ``model.ffn_dim_multiplier`` when it is narrower than Llama's ``8·dim/3``).
 
     Raises:
-        HFCheckpointError: an architecture this model cannot express (biases, rope scaling, …).
+        HFCheckpointError: an architecture this model cannot express (biases, a rope type other than llama3, …).
     """
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = _rope_overrides(config)
     unsupported = {
         "model_type": config.get("model_type", "llama") != "llama",
         "hidden_act": config.get("hidden_act", "silu") != "silu",
         "attention_bias": bool(config.get("attention_bias")),
         "mlp_bias": bool(config.get("mlp_bias")),
-        "rope scaling": rope.get("rope_type", rope.get("type", "default")) != "default",
         "head_dim": config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
         != config["hidden_size"] // config["num_attention_heads"],
     }
@@ -150,7 +193,7 @@ def model_overrides(config: Mapping) -> dict[str, object]:
         "dim": dim, "n_layers": config["num_hidden_layers"], "n_heads": config["num_attention_heads"],
         "n_kv_heads": config.get("num_key_value_heads", config["num_attention_heads"]),
         "vocab_size": config["vocab_size"], "norm_eps": config["rms_norm_eps"],
-        "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0)), **width,
+        **rope, **width,
     }
 
 
@@ -171,7 +214,9 @@ def check_hf(path: Path, cfg: ModelConfig) -> None:
     differ = [k for k in shape if getattr(cfg, k) != wanted[k]]
     if cfg.ffn_hidden_dim != ModelConfig(**{k: wanted[k] for k in ("dim", "multiple_of", "ffn_dim_multiplier")}).ffn_hidden_dim:
         differ += ["multiple_of", "ffn_dim_multiplier"]
-    differ += [k for k in ("norm_eps", "rope_theta") if getattr(cfg, k) != wanted[k]]
+    differ += [k for k in ("norm_eps", "rope_theta", "rope_scaling") if getattr(cfg, k) != wanted[k]]
+    if wanted["rope_scaling"] is not None:
+        differ += [k for k in _ROPE_KEYS if getattr(cfg, k) != wanted[k]]
     if differ:
         fix = " ".join(f"model.{k}={'null' if wanted[k] is None else wanted[k]}" for k in differ)
         raise HFCheckpointError(f"model.init=hf:{path} does not match the model: set {fix}")

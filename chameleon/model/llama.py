@@ -1,4 +1,4 @@
-"""Functional Llama-2 (``model.arch=llama``): parameter tree, initialisation, stage forward, its :data:`LLAMA` spec.
+"""Functional Llama 2 and 3 (``model.arch=llama``): parameters, initialisation, stage forward, its :data:`LLAMA` spec.
 
 Parameters are a flat ``dict[name, Tensor]``; every function here is pure. Names are
 fully qualified (``layers.7.attention.wq``) and independent of how the model is split
@@ -107,13 +107,30 @@ def init_rule(cfg: ModelConfig, name: str) -> tuple[float, float]:
     return 0.0, INIT_STD
 
 
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: tuple[float, float, float, int] | None = None
+) -> Tensor:
+    """The rotary inverse frequencies ``theta^(-2j/head_dim)`` (fp64, ``[head_dim // 2]``), Llama-3.1-scaled.
+
+    ``scaling = (factor, low, high, original)``: a frequency whose wavelength ``2π/f`` is below
+    ``original/high`` is kept, one above ``original/low`` is divided by ``factor``, and in between
+    it blends the two linearly in ``original/wavelength`` (weight 0 at ``low``, 1 at ``high``).
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    keep = ((original * inv_freq / (2 * math.pi) - low) / (high - low)).clamp(0.0, 1.0)
+    return keep * inv_freq + (1 - keep) * inv_freq / factor
+
+
 @functools.lru_cache(maxsize=32)
 def _rotary_tables(
-    seq_len: int, head_dim: int, theta: float, device: str, dtype: torch.dtype
+    seq_len: int, head_dim: int, theta: float, scaling: tuple[float, float, float, int] | None,
+    device: str, dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
     """``cos`` and ``sin`` of the rotation angles, each ``[seq_len, head_dim // 2]``."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), rope_frequencies(head_dim, theta, scaling))
     return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
 
 
@@ -132,6 +149,20 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return normed.type_as(x) * weight
 
 
+def _reads_grouped_kv(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether SDPA's kernel reads k/v with fewer heads than q in place (``enable_gqa``, nothing copied).
+
+    The CPU's fused kernel always does; on CUDA only flash attention does (fp16/bf16, sm80+), and
+    elsewhere (fp32, say) ``enable_gqa`` would fall back to the math kernel, which keeps the ``s²``
+    probabilities: there, and on any other device, k and v are repeated instead.
+    """
+    if q.device.type == "cpu":
+        return True
+    if q.device.type != "cuda":
+        return False
+    return torch.backends.cuda.can_use_flash_attention(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, True))
+
+
 def _attention(
     params: dict[str, Tensor], cfg: ModelConfig, prefix: str, rotary: tuple[Tensor, Tensor], x: Tensor
 ) -> Tensor:
@@ -144,10 +175,11 @@ def _attention(
     v = (x @ wv.T).view(b, s, n_kv, head_dim)
     q, k = _apply_rotary(q, *rotary), _apply_rotary(k, *rotary)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if n_kv != n_heads:
-        k = k.repeat_interleave(n_heads // n_kv, dim=1)
-        v = v.repeat_interleave(n_heads // n_kv, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    gqa = n_kv != n_heads
+    if gqa and not _reads_grouped_kv(q, k, v):
+        k, v = (t.repeat_interleave(n_heads // n_kv, dim=1) for t in (k, v))
+        gqa = False
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return out.transpose(1, 2).reshape(b, s, n_heads * head_dim) @ wo.T
 
 
@@ -171,8 +203,11 @@ def stage_forward(
 
     Blocks are pre-norm (RMSNorm) with rotary embeddings on q and k using Llama's
     interleaved-pair convention (dimensions ``2j`` and ``2j+1`` rotate together by angle
-    ``pos · theta^(-2j/head_dim)``), causal grouped-query attention (kv heads repeated
-    when ``n_kv_heads < n_heads``) and a SwiGLU MLP ``w2(silu(w1 x) * w3 x)``.
+    ``pos · theta^(-2j/head_dim)``, Llama-3.1-scaled under ``model.rope_scaling=llama3``:
+    :func:`rope_frequencies`), causal grouped-query attention (query head ``h`` reads kv
+    head ``h // (n_heads / n_kv_heads)``; SDPA's ``enable_gqa``, k and v not copied where its
+    kernel reads them in place, :func:`_reads_grouped_kv`) and
+    a SwiGLU MLP ``w2(silu(w1 x) * w3 x)``.
 
     Args:
         params: The stage's parameters (full tensors, or local tensor-parallel shards).
@@ -195,7 +230,7 @@ def stage_forward(
         raise ValueError("targets are only accepted by the last stage")
     h = F.embedding(x, params["tok_embeddings"]) if first else x
     rotary = _rotary_tables(
-        h.shape[1], cfg.head_dim, cfg.rope_theta, str(h.device), compute_dtype(h.dtype)
+        h.shape[1], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_params, str(h.device), compute_dtype(h.dtype)
     )
     for i in range(*layers):
         p = f"layers.{i}."
