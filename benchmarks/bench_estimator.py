@@ -90,7 +90,7 @@ PLANS = {
 def measure(overrides: tuple[str, ...], run_dir: Path, steps: int) -> dict:
     """Train with ``overrides`` in real worker processes; the run's summary.json (and metrics lines)."""
     cmd = [sys.executable, "-m", "chameleon.train", f"hydra.run.dir={run_dir}", "output.progress=false",
-           "launcher.timeout_s=300", f"train.steps={steps}", *BASE, *overrides]
+           "launcher.timeout_s=300", f"train.steps={steps}", "train.eval_interval=0", *BASE, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600)
     if proc.returncode != 0:

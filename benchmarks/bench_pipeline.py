@@ -33,8 +33,8 @@ from _common import TIMEOUT_S, Timings, compare, header, launch, timed
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from chameleon.config import TrainConfig
-from chameleon.data.stream import SampleStream, micro_batch_samples
+from chameleon.config import DataConfig, TrainConfig
+from chameleon.data.stream import micro_batch_samples, open_streams
 from chameleon.layout.geometry import geometry_of, sync_rounds
 from chameleon.layout.plan import Plan, even_plan, micro_batch_ranges
 from chameleon.layout.schedule import step_actions
@@ -70,7 +70,7 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int, store, model: ModelConfig, train: dict, plan: Plan, args) -> dict:
-    stream = SampleStream.from_config(path=None, seq_len=train.seq_len, seed=train.seed)
+    stream = open_streams(DataConfig(), seq_len=train.seq_len, seed=train.seed).train
     role = role_of(plan, rank)
     stage = plan.pipelines[role.pipeline].stages[role.stage]
     first, last = role.first, role.last

@@ -13,8 +13,10 @@ through.
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -102,6 +104,15 @@ def _check_known(node, schema, key: str, path: str) -> None:
     if OmegaConf.is_dict(node) and OmegaConf.is_dict(sub) and OmegaConf.get_type(sub) is not dict:
         for child in node:
             _check_known(node[child], sub, str(child), f"{path}.{child}")
+
+
+def unwritable(path: Path) -> Path | None:
+    """Where ``path`` cannot be created or written: its nearest existing ancestor when that is no writable
+    directory; None when it can."""
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    return None if probe.is_dir() and os.access(probe, os.W_OK | os.X_OK) else probe
 
 
 def _groups_help() -> str:

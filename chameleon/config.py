@@ -56,11 +56,28 @@ class TrainConfig:
     lr_schedule: str = "cosine"  # constant | cosine (by global step, after the linear warm-up)
     warmup_steps: int = 10
     min_lr: float = 3e-4  # where the cosine schedule ends
+    # Validation loss every eval_interval steps and after the last (0: never), over eval_batches global batches.
+    eval_interval: int = 25
+    eval_batches: int = 2
 
 
 @dataclass
 class DataConfig:
-    path: str | None = None  # a UTF-8 text file; None trains on the bundled corpus
+    # What training reads: a folder of token shards (python -m chameleon.prepare), a UTF-8 text file
+    # (byte-level tokens), or None for the bundled corpus.
+    path: str | None = None
+    # python -m chameleon.prepare: the source (a .txt/.jsonl/.json/.parquet file or a folder of them) and
+    # the tokenizer (bytes | bpe:N | a tokenizer.json or model folder | a SentencePiece or tiktoken model).
+    source: str | None = None
+    tokenizer: str = "bytes"
+    text_key: str = "text"  # the JSONL/Parquet field holding each document's text
+    eos_token: str | None = None  # the end-of-document token, when the tokenizer does not name one
+    workers: int = 1  # tokenizing processes
+    # Validation: documents held out of training (a seeded choice of this fraction), or shards of their own.
+    val_fraction: float = 0.05
+    val_path: str | None = None
+    # window: windows of seq_len+1 tokens over the concatenated documents; document: none straddles two.
+    pack: str = "window"
 
 
 @dataclass
@@ -126,6 +143,7 @@ class OutputConfig:
 class ReportConfig:
     plots: bool = True  # run.png in the run dir: loss and throughput, each fault and its recovery marked
     tensorboard: bool = False  # live scalars in <run dir>/tensorboard (pip install 'chameleon[tensorboard]')
+    wandb: bool = False  # live scalars to Weights & Biases, offline without WANDB_API_KEY (pip install 'chameleon[wandb]')
 
 
 @dataclass
@@ -279,7 +297,7 @@ def validate(cfg: DictConfig) -> Plan:
     _check(ft.on_fault in ("recover", "exit"), f"ft.on_fault={ft.on_fault!r}: use recover or exit")
     _check(cfg.ckpt.interval >= 0, f"ckpt.interval={cfg.ckpt.interval}: use 0 (off) or a positive step count")
     _check(cfg.ckpt.keep >= 1, f"ckpt.keep={cfg.ckpt.keep}: keep at least 1 checkpoint")
-    _check_data(cfg.data.path, seq_len=train.seq_len)
+    _check_data(cfg)
     if cfg.ckpt.resume is not None:
         _check_resume(cfg.ckpt.resume, model_config(cfg))
     from chameleon.runtime.launch import launch_problem
@@ -305,25 +323,61 @@ def resolve_launch(cfg: DictConfig) -> None:
         cfg.launcher[key] = value
 
 
-def _check_data(path: str | None, *, seq_len: int) -> None:
-    """Refuse a data file that is missing, unreadable, binary, not UTF-8 or too short."""
-    if path is None:
+def _check_data(cfg: DictConfig) -> None:
+    """Refuse data that cannot be read, does not fit the model, or leaves no training or validation window."""
+    from chameleon.data.stream import PACKS, open_streams
+
+    data, train = cfg.data, cfg.train
+    _check(data.pack in PACKS, f"data.pack={data.pack!r}: use window or document")
+    _check(0 <= data.val_fraction < 1, f"data.val_fraction={data.val_fraction}: use a fraction in [0, 1)")
+    _check(train.eval_interval >= 0 and train.eval_batches >= 1,
+           f"train.eval_interval={train.eval_interval} / train.eval_batches={train.eval_batches}: "
+           "use an interval ≥ 0 (0: no validation) and at least one batch")
+    for key in ("path", "val_path"):
+        if data[key] is not None:
+            _check_source(f"data.{key}", data[key])
+    try:
+        streams = open_streams(data, seq_len=train.seq_len, seed=train.seed)
+    except ValueError as err:  # shards.DataError among them
+        raise ConfigError(f"data.path={data.path!r}: {err}") from None
+    _check(streams.vocab_size <= cfg.model.vocab_size,
+           f"data.path={data.path} holds token ids of a {streams.vocab_size}-token vocabulary but "
+           f"model.vocab_size={cfg.model.vocab_size}: set model.vocab_size={streams.vocab_size} (or more)")
+    if train.eval_interval == 0:
         return
+    evaluated = train.eval_batches * train.global_batch
+    _check(streams.val is not None,
+           f"train.eval_interval={train.eval_interval} needs validation documents, but data.val_fraction="
+           f"{data.val_fraction} of {streams.n_documents} document(s) holds none out: give data.val_path=, "
+           "a corpus of several documents, or set train.eval_interval=0")
+    _check(streams.val.n_windows >= evaluated,
+           f"train.eval_batches={train.eval_batches} evaluates {evaluated} windows but the validation documents "
+           f"hold {streams.val.n_windows}: lower train.eval_batches, raise data.val_fraction, or give data.val_path=")
+
+
+def _check_source(key: str, path: str) -> None:
+    """A folder of prepared shards (checked against its manifest), or a UTF-8 text file."""
+    from chameleon.data.shards import DataError, check_shards
+
     file = Path(path).expanduser()
-    fix = "give a UTF-8 text file, or data.path=null for the bundled corpus"
-    _check(file.is_file(), f"data.path={path!r} is not a file: {fix}")
+    if file.is_dir():
+        try:
+            check_shards(file)
+        except DataError as err:
+            raise ConfigError(f"{key}={path}: {err}") from None
+        return
+    fix = "give a folder of token shards (python -m chameleon.prepare), a UTF-8 text file, or data.path=null"
+    _check(file.is_file(), f"{key}={path!r} is not a file: {fix}")
     try:
         with file.open("rb") as f:
             head = f.read(1 << 20)
     except OSError as err:
-        raise ConfigError(f"data.path={path!r} cannot be read ({err.strerror}): {fix}") from None
-    _check(b"\0" not in head, f"data.path={path!r} looks binary (it holds NUL bytes): {fix}")
+        raise ConfigError(f"{key}={path!r} cannot be read ({err.strerror}): {fix}") from None
+    _check(b"\0" not in head, f"{key}={path!r} looks binary (it holds NUL bytes): {fix}")
     try:
         codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
     except UnicodeDecodeError as err:
-        raise ConfigError(f"data.path={path!r} is not UTF-8 text (byte {err.start} of the file): {fix}") from None
-    size = file.stat().st_size
-    _check(size > seq_len, f"data.path={path!r} holds {size} bytes, fewer than train.seq_len+1={seq_len + 1}: {fix}")
+        raise ConfigError(f"{key}={path!r} is not UTF-8 text (byte {err.start} of the file): {fix}") from None
 
 
 def _check_resume(resume: str, model: ModelConfig) -> None:
@@ -365,6 +419,8 @@ def _check_training_keys(cfg: DictConfig) -> None:
            "output.export_hf=true needs the trained parameters: set output.save_params=true")
     _check(not cfg.report.tensorboard or importlib.util.find_spec("tensorboard") is not None,
            "report.tensorboard=true needs the tensorboard package: pip install 'chameleon[tensorboard]'")
+    _check(not cfg.report.wandb or importlib.util.find_spec("wandb") is not None,
+           "report.wandb=true needs the wandb package: pip install 'chameleon[wandb]'")
     try:
         if cfg.output.export_hf:
             require_llama(model_config(cfg), "output.export_hf")

@@ -9,7 +9,6 @@ agent, and writes nothing locally. The last line node 0 prints is the path of
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from chameleon import cli
-from chameleon.config import CONF_DIR, ConfigError, model_config, register_configs, to_config, validate
+from chameleon.config import CONF_DIR, ConfigError, model_config, register_configs, to_config, to_container, validate
 
 USAGE = """
 usage: python -m chameleon.train [+recipe=NAME] [GROUP=OPTION ...] [KEY=VALUE ...] [--multirun]
@@ -55,7 +54,7 @@ def _job(cfg: DictConfig) -> None:
         cli.fail(err)
     from chameleon.model.hf import export_hf
     from chameleon.report.run_plots import plot_run
-    from chameleon.report.tensorboard import tensorboard_mirror
+    from chameleon.report.live import live_mirrors
     from chameleon.runtime.checkpoint import CheckpointError
     from chameleon.runtime.controller import run_training
     from chameleon.runtime.errors import JobRestart, Preempted, TrainingError
@@ -69,7 +68,8 @@ def _job(cfg: DictConfig) -> None:
     print(f"plan ({len(plan.devices)} workers):\n{plan.describe()}", flush=True)
     ending = None
     try:
-        with tensorboard_mirror(run_dir, enabled=cfg.report.tensorboard):
+        with live_mirrors(run_dir, tensorboard=cfg.report.tensorboard, wandb=cfg.report.wandb,
+                          config=to_container(cfg)):
             summary = run_training(to_config(cfg), plan=plan, run_dir=run_dir, secret=secret)
     except LaunchError as err:
         ending = cli.refusal(err), cli.EXIT_CONFIG
@@ -123,10 +123,7 @@ def _check_run_dir(run_dir: Path) -> None:
     held = [f for f in _RUN_FILES if (run_dir / f).exists()]
     if held:
         raise ConfigError(f"hydra.run.dir={run_dir} already holds a run ({held[0]}): pick a new directory")
-    probe = run_dir
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+    if (probe := cli.unwritable(run_dir)) is not None:
         raise ConfigError(f"hydra.run.dir={run_dir} cannot be created or written ({probe} is not a writable "
                           "directory): pick a directory you can write")
 

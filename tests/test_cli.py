@@ -46,6 +46,11 @@ def refusal(entry: str, *overrides: str) -> str:
     (("launcher.nnodes=2", "launcher.nproc_per_node=2", "launcher.master_addr=h", "launcher.master_port=0"),
      "launcher.master_port=0"),
     (("data.path=/nonexistent/corpus.txt",), "data.path='/nonexistent/corpus.txt' is not a file"),
+    (("data.pack=zigzag",), "data.pack='zigzag': use window or document"),
+    (("data.val_fraction=1",), "data.val_fraction=1.0: use a fraction in [0, 1)"),
+    (("train.eval_batches=1000",), "train.eval_batches=1000 evaluates 16000 windows but the validation documents hold"),
+    (("train.eval_interval=-1",), "train.eval_interval=-1"),
+    (("data.val_fraction=0",), "train.eval_interval=25 needs validation documents"),
     (("ckpt.resume=/nonexistent",), "ckpt.resume=/nonexistent is not a directory"),
     (("ckpt.keep=0",), "ckpt.keep=0"),
     (("hydra.run.dir=/etc/passwd/run",), "cannot be created or written"),
@@ -87,6 +92,13 @@ def test_train_refuses_data_it_cannot_read(tmp_path, content):
     path = tmp_path / "corpus.txt"
     path.write_bytes(content)
     assert f"data.path='{path}'" in refusal("train", f"data.path={path}")
+
+
+def test_a_text_of_one_paragraph_has_no_validation_documents(tmp_path):
+    path = tmp_path / "one.txt"
+    path.write_text("hello world " * 50)
+    assert "set train.eval_interval=0" in refusal("train", f"data.path={path}")
+    CHECKS["train"](cli.compose_command_line([f"data.path={path}", "train.eval_interval=0"]))  # accepted
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from chameleon.runtime.errors import TrainingError
-from chameleon.runtime.ledger import CheckpointComplete, CommitStep, Ledger, StartGeneration
-from chameleon.runtime.messages import NodeReady, NodeSaved, NodeSynced, sample_ranges
+from chameleon.runtime.ledger import CheckpointComplete, CommitStep, Evaluation, Ledger, StartGeneration
+from chameleon.runtime.messages import NodeEvaluated, NodeReady, NodeSaved, NodeSynced, sample_ranges
 
 B = 4  # global batch
 
@@ -140,3 +140,14 @@ def test_an_intact_earlier_generation_still_completes_its_checkpoint_but_a_broke
     led.on_saved(NodeSaved(0, 1, 2, (0,)))
     led.break_generation()
     assert led.on_saved(NodeSaved(1, 1, 2, (1,))) is None
+
+
+def test_a_validation_loss_is_whole_once_every_node_with_trainers_reported_it():
+    led = started(ledger())
+    assert led.on_evaluated(NodeEvaluated(0, 0, 3, (0,), 1.25)) is None
+    assert led.on_evaluated(NodeEvaluated(1, 0, 3, (1,), 0.5)) == Evaluation(3, 1.75)
+    with pytest.raises(TrainingError, match="but its trainers are"):
+        led.on_evaluated(NodeEvaluated(0, 0, 3, (0, 2), 1.0))
+    led.on_evaluated(NodeEvaluated(0, 0, 6, (0,), 1.0))
+    led.break_generation()  # a lost member: its generation's half-booked validation never completes
+    assert led.on_evaluated(NodeEvaluated(1, 0, 6, (1,), 1.0)) is None

@@ -6,6 +6,7 @@ The loopback example runs whole, as the bash script it is, on a free port.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -25,10 +26,10 @@ SHORT = {"train": ["train.steps=4", "failure.step=2", "output.progress=false", "
 REFUSED = {"+recipe=llama7b": 2}  # the README says these are refused here, with one line
 
 
-def commands() -> list[list[str]]:
+def commands(blocks: list[str] = BLOCKS) -> list[list[str]]:
     """Each README command as argv (comments dropped, continued lines joined)."""
     out = []
-    for block in BLOCKS:
+    for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if words:
@@ -36,15 +37,17 @@ def commands() -> list[list[str]]:
     return out
 
 
+OWN_DATA = next(b for b in BLOCKS if "chameleon.prepare" in b)  # its commands run together, on a corpus of the test's
 ENTRY_COMMANDS = [c for c in commands() if c[:2] == ["python", "-m"] and "launcher.nnodes=2" not in c
-                  and "$JOB" not in c]
+                  and "$JOB" not in c and c not in commands([OWN_DATA])]
 
 
 def test_every_readme_command_is_covered():
     setup = [c for c in commands() if c[0] in ("python3", "export", "srun", "JOB=") or c[0].startswith("JOB=")]
     benchmarks = [c for c in commands() if c[0] == "python" and c[1].startswith("benchmarks/")]
     loopback = [c for c in commands() if "$JOB" in c or "launcher.nnodes=2" in c]
-    assert len(setup) + len(benchmarks) + len(loopback) + len(ENTRY_COMMANDS) == len(commands())
+    own_data = commands([OWN_DATA])
+    assert len(setup) + len(benchmarks) + len(loopback) + len(own_data) + len(ENTRY_COMMANDS) == len(commands())
     tested = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py") if p.name.startswith(
         ("test_benchmarks", "test_control_plane")))
     for c in benchmarks:
@@ -78,3 +81,21 @@ def test_readme_loopback_example_runs_as_written(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "devices [2, 3] lost at step 20 (node 1 lost" in proc.stderr
     assert proc.stdout.strip().splitlines()[-1].endswith("summary.json")
+
+
+@pytest.mark.full
+def test_readme_own_data_commands_run_as_written(tmp_path):
+    """Prepare a JSONL corpus with a trained BPE, then train on its shards: the default job, its kill included."""
+    from chameleon.data.stream import load_corpus
+
+    lines = load_corpus(None).splitlines()
+    with (tmp_path / "corpus.jsonl").open("w", encoding="utf-8") as f:
+        for i in range(0, len(lines), 20):
+            f.write(json.dumps({"text": "\n".join(lines[i:i + 20])}) + "\n")
+    script = OWN_DATA.replace("python ", f"{sys.executable} ")
+    proc = subprocess.run(["bash", "-c", f"set -e\n{script}"], capture_output=True, text=True, env=ENV, cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(Path(proc.stdout.strip().splitlines()[-1]).read_text())
+    assert summary["steps_completed"] == 100 and [r["step"] for r in summary["recoveries"]] == [50]
+    assert summary["final_val_loss"] is not None and summary["final_val_loss"] < summary["val_losses"][0][1]

@@ -30,6 +30,7 @@ def write_run(run_dir: Path, *, steps: int = 12, partial_line: bool = False) -> 
         {"event": "recovered", "failed_ranks": [1, 2], "cause": "SIGKILL", "step": 5, "chosen": "dynamic",
          "total_s": 1.0, "detect_s": 0.1, "restore_s": 0.3, "redo_s": 0.6},
         {"event": "fault", "failed_ranks": [3], "step": 9, "t_fault": T0 + 6.2},
+        {"event": "validated", "step": 10, "val_loss": 4.5, "generation": 2, "time": T0 + 7.0},
     ]
     text = "".join(json.dumps(m) + "\n" for m in metrics)
     (run_dir / "metrics.jsonl").write_text(text + ('{"step": 99, "lo' if partial_line else ""))
@@ -65,10 +66,10 @@ def test_tensorboard_mirror_writes_scalars_as_lines_arrive(tmp_path):
     pytest.importorskip("tensorboard", reason="report.tensorboard needs tensorboard (pip install '.[tensorboard]')")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from chameleon.report.tensorboard import TensorBoardMirror
+    from chameleon.report.live import Mirror, tensorboard_sink
 
     write_run(tmp_path, steps=3, partial_line=True)
-    mirror = TensorBoardMirror(tmp_path)
+    mirror = Mirror(tmp_path, tensorboard_sink(tmp_path))
     mirror.sync()
     with (tmp_path / "metrics.jsonl").open("a") as f:  # the partial line completes, one more arrives
         f.write('ss": 1.0, "samples_per_s": 1, "step_time_s": 1, "time": 2000}\n')
@@ -78,3 +79,17 @@ def test_tensorboard_mirror_writes_scalars_as_lines_arrive(tmp_path):
     assert [e.step for e in acc.Scalars("train/loss")] == [0, 1, 2, 99]
     assert [e.value for e in acc.Scalars("train/grad_norm")] == [2.0, 2.0, 2.0]
     assert [(e.step, e.value) for e in acc.Scalars("recovery/total_s")] == [(5, 1.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("val/loss")] == [(10, 4.5)]
+
+
+def test_wandb_mirror_runs_offline_without_a_key(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="report.wandb needs wandb (pip install '.[wandb]')")
+    from chameleon.report.live import Mirror, WandbSink
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    write_run(tmp_path, steps=3)
+    mirror = Mirror(tmp_path, WandbSink(tmp_path, {"train": {"steps": 3}}))
+    mirror.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0  # what `wandb sync` would upload

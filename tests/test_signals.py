@@ -68,7 +68,8 @@ def resume_and_compare(tmp_path: Path, root: Path, failure_free: Run) -> dict:
     got, ref = run.summary, failure_free.summary
     assert got["first_step"] == info.committed_steps
     ref_tail = {**ref, "steps_completed": got["steps_completed"], "losses": ref["losses"][got["first_step"]:],
-                "sample_ids_digest": got["sample_ids_digest"]}
+                "sample_ids_digest": got["sample_ids_digest"],
+                "val_losses": [v for v in ref["val_losses"] if v[0] >= got["first_step"]]}
     assert not mismatches(got, run.params, ref_tail, failure_free.params)
     assert not run.leftover_workers()
     return got

@@ -12,7 +12,8 @@ losses by 1e-3 … 1e-1. So a run passes when, against the failure-free run of i
 starting layout:
 
 - it trained the same samples at every step (identical sample digest);
-- every step's loss is within ``max(FLOOR, DRIFT_FACTOR · drift.loss)`` (relative);
+- every step's loss, and every validation loss (taken before the same steps), is within
+  ``max(FLOOR, DRIFT_FACTOR · drift.loss)`` (relative);
 - its final parameters are within ``max(FLOOR, DRIFT_FACTOR · drift.params)``
   (relative, per tensor);
 
@@ -75,9 +76,17 @@ def mismatches(summary: dict, params: dict[str, torch.Tensor], reference: dict,
         return [f"{summary['steps_completed']} steps committed, not {reference['steps_completed']}"]
     if summary["sample_ids_digest"] != reference["sample_ids_digest"]:
         out.append("the steps trained other samples (sample digest differs)")
-    for step, (a, b) in enumerate(zip(summary["losses"], reference["losses"])):
+    for step, (a, b) in enumerate(zip(summary["losses"], reference["losses"], strict=True)):
         if abs(a - b) > drift.loss_tolerance * abs(b):
             out.append(f"loss of step {summary['first_step'] + step} is {a:.7g}, not {b:.7g} "
+                       f"(bound {drift.loss_tolerance:.1e})")
+            break
+    got, want = dict(map(tuple, summary.get("val_losses", []))), dict(map(tuple, reference.get("val_losses", [])))
+    if got.keys() != want.keys():
+        out.append(f"validation losses taken before steps {sorted(got)}, not {sorted(want)}")
+    for step in sorted(got.keys() & want.keys()):
+        if abs(got[step] - want[step]) > drift.loss_tolerance * abs(want[step]):
+            out.append(f"validation loss before step {step} is {got[step]:.7g}, not {want[step]:.7g} "
                        f"(bound {drift.loss_tolerance:.1e})")
             break
     diff = relative_difference(params, reference_params)

@@ -95,6 +95,11 @@ def plot_run(run_dir: Path, path: Path | None = None) -> Path | None:
         ax_lr = ax_loss.twinx()
         ax_lr.plot(steps, [m.get("lr") for m in metrics], color="tab:gray", linewidth=0.9, linestyle="--")
         ax_lr.set_ylabel("learning rate (dashed)", color="tab:gray")
+    validated = [e for e in events if e["event"] == "validated"]
+    if validated:
+        ax_loss.plot([e["step"] for e in validated], [e["val_loss"] for e in validated], "o-", color="tab:orange",
+                     markersize=3.5, linewidth=0.9, label="validation loss")
+        ax_loss.legend(loc="upper right", fontsize=7)
     for e in events:
         if e["event"] == "checkpoint":
             ax_loss.axvline(e["step"] - 0.5, color="tab:green", alpha=0.35, linewidth=0.8, linestyle=":")

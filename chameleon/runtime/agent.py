@@ -46,8 +46,8 @@ from chameleon.runtime.beacon import Position
 from chameleon.runtime.faults import FaultSpec, kill_node, stop_and_resume
 from chameleon.runtime.launch import SECRET_ENV, host_identity
 from chameleon.runtime.messages import (
-    PUSHED, CheckpointSaved, Dying, End, Flag, GenerationSpec, Hello, Inject, Lease, NodeReady, NodeSaved, NodeSynced,
-    Noted, Positions, Probe, Publish, Ready, Renew, Shutdown, Signal, Start, Synced, Welcome,
+    PUSHED, CheckpointSaved, Dying, End, Evaluated, Flag, GenerationSpec, Hello, Inject, Lease, NodeEvaluated, NodeReady,
+    NodeSaved, NodeSynced, Noted, Positions, Probe, Publish, Ready, Renew, Shutdown, Signal, Start, Synced, Welcome,
 )
 from chameleon.runtime.preflight import store_problem
 from chameleon.runtime.wire import AuthError, Link, SecretMismatch, connect
@@ -83,6 +83,7 @@ class _Generation:
     trainers: tuple[int, ...]
     ready: set
     synced: dict
+    evaluated: dict
 
 
 class Agent:
@@ -121,7 +122,7 @@ class Agent:
             case Publish(spec=spec):
                 mine = frozenset(d for d in self.devices if d in spec.device_set)
                 trainers = tuple(d for d in self.devices if d in mine and d in spec.plan.device_set)
-                self.current = _Generation(spec, mine, trainers, set(), {})
+                self.current = _Generation(spec, mine, trainers, set(), {}, {})
                 self.writers[spec.generation] = frozenset(d for d in spec.writers if d in mine)
                 for old in [g for g in self.writers if g < spec.generation - 2]:
                     del self.writers[old]
@@ -184,6 +185,15 @@ class Agent:
                     self.report(_node_synced(self.node, g, step, [book[t] for t in current.trainers]))
             case Synced():
                 pass  # of a generation already superseded
+            case Evaluated(device=d, generation=g, step=step) if current is not None and g == current.spec.generation:
+                book = current.evaluated.setdefault(step, {})
+                book[d] = message.loss_sum
+                if len(book) == len(current.trainers):
+                    del current.evaluated[step]
+                    self.report(NodeEvaluated(self.node, g, step, current.trainers,
+                                              sum(book[t] for t in current.trainers)))
+            case Evaluated():
+                pass
             case CheckpointSaved(device=d, generation=g, step=step):
                 writers = self.writers.get(g)
                 if writers is None:

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 PHASES = (
     "starting", "standby", "rebuild", "transfer", "ready", "forward", "backward", "sync", "commit", "optimizer",
-    "checkpoint", "done", "idle",
+    "checkpoint", "done", "idle", "eval",
 )
 """Phases a worker reports: ``standby`` waits for a generation, ``rebuild`` connects its groups,
 ``transfer`` moves state, ``ready`` waits for the generation to start, ``commit`` waits for the
-controller to commit the synced step, ``idle`` follows the commits of a step its plan gives it no part in."""
+controller to commit the synced step, ``idle`` follows the commits of a step its plan gives it no part in,
+``eval`` takes the validation loss before the step."""
 
 WAITING_ON_CONTROLLER = ("starting", "standby", "ready", "idle", "commit", "done")
 """Phases in which a worker only waits for the controller: never a stalled worker."""
@@ -43,7 +44,8 @@ class Position:
 
     def describe(self) -> str:
         """E.g. ``step 5, backward of micro-batch 2 (generation 1)``."""
-        what = {"forward": "micro-batch", "backward": "micro-batch", "transfer": "round", "sync": "round"}.get(self.phase)
+        what = {"forward": "micro-batch", "backward": "micro-batch", "transfer": "round", "sync": "round",
+                "eval": "batch"}.get(self.phase)
         phase = f"{self.phase} of {what} {self.detail}" if what and self.detail >= 0 else self.phase
         if self.waiting_on >= 0:
             phase += f", waiting on device {self.waiting_on}"

@@ -38,7 +38,7 @@ from chameleon.runtime.checkpoint import checkpoint_root, commit_checkpoint, lat
 from chameleon.runtime.coordinator import SavedState
 from chameleon.runtime.core import (
     Admit, Broadcast, Clock, Close, Committed, Core, Fired, Lost, Preempt, Received, Record, Refuse, Refused,
-    Registered, Say, SaveCheckpoint, Send, Tick,
+    Registered, Say, SaveCheckpoint, Send, Tick, Validated,
 )
 from chameleon.runtime.errors import Preempted, TrainingError
 from chameleon.runtime.faults import FaultSpec, planned_faults
@@ -141,6 +141,7 @@ class Controller:
             plan=core.resident.describe(), generations=core.generation + 1, world_size=core.world,
             nnodes=self.config.launcher.nnodes, wall_s=time.time() - core.t0,
             startup_s=(core.t_train - core.t0) if core.t_train else None, store_ops=core.store_ops,
+            peak_rss=core.peak_rss,
         )
 
     def _open_local_node(self) -> None:
@@ -308,7 +309,7 @@ class Controller:
                     del self.node_of[link]
                     self.selector.unregister(link)
                     link.close()
-            case Record() | Committed() | Say():
+            case Record() | Committed() | Validated() | Say():
                 self.recorder.write(effect)
             case SaveCheckpoint(complete=c):
                 commit_checkpoint(self.ckpt_root, c.step, expected_devices=c.writers, shapes=self.core.coordinator.shapes,

@@ -46,10 +46,10 @@ from chameleon.runtime.detector import Detector, stall
 from chameleon.runtime.errors import JobRestart, TrainingError
 from chameleon.runtime.launch import LaunchError
 from chameleon.runtime.faults import FaultSpec, Injector, controller_faults
-from chameleon.runtime.ledger import CheckpointComplete, CommitStep, Ledger
+from chameleon.runtime.ledger import CheckpointComplete, CommitStep, Evaluation, Ledger
 from chameleon.runtime.messages import (
     Begin, Commit, CommitOrder, Done, Dying, Exited, Failed, FinalShards, Flag, GenerationSpec, Hello, Hung, Inject,
-    Lease, Moves, NodeReady, NodeSaved, NodeSynced, Noted, Positions, Probe, Publish, Renew, Signal,
+    Lease, Moves, NodeEvaluated, NodeReady, NodeSaved, NodeSynced, Noted, Positions, Probe, Publish, Renew, Signal,
     Standby, Start, Welcome,
 )
 
@@ -175,6 +175,17 @@ class Committed:
     generation: int
     time: float
     commit_s: float  # the commit's publication after the slowest trainer synced (clocks of one host)
+    val_loss: float | None = None  # the validation loss of the parameters this step trained from, where taken
+
+
+@dataclass(frozen=True)
+class Validated:
+    """The validation loss before ``step`` (``step == train.steps``: after the last), for the recorder."""
+
+    step: int
+    loss: float
+    generation: int
+    time: float
 
 
 @dataclass(frozen=True)
@@ -220,7 +231,7 @@ class Recovery:
     manifest_bytes: int = 0
     manifest_rounds: int = 0
     estimated_step_s: float = 0.0
-    first_step_s: float = 0.0
+    first_step_s: float | None = 0.0  # None: no step followed (a fault in the last validation)
 
     def record(self) -> dict:
         return {
@@ -322,10 +333,12 @@ class Core:
         self.declined: frozenset[int] = frozenset()
         self.done: set[int] = set()
         self.store_ops: dict[int, int] = {}  # per device that finished: its operations on the store
+        self.peak_rss: dict[int, int] = {}  # per device that finished: its peak resident memory, bytes
         self.final: dict[int, dict] = {}
         self.ran: dict[tuple, tuple[Plan, list[float]]] = {}  # by plan shape: the plan and its steady step times
         self.resident_times: list[float] = []
         self.commit_times: dict[int, float] = {}
+        self.val_losses: dict[int, float] = {}  # by step: the validation loss before it
         self.step_times: dict[int, float] = {}
         self.recoveries: list[Recovery] = []
         self.growths: list[Growth] = []
@@ -520,6 +533,9 @@ class Core:
             case NodeSynced():
                 if (commit := self.ledger.on_synced(msg)) is not None:
                     self._commit(commit)
+            case NodeEvaluated():
+                if (evaluation := self.ledger.on_evaluated(msg)) is not None:
+                    self._validated(evaluation)
             case NodeSaved():
                 if (complete := self.ledger.on_saved(msg)) is not None:
                     self._commit_checkpoint(complete)
@@ -549,6 +565,7 @@ class Core:
             case Done():
                 self.done.add(msg.device)
                 self.store_ops[msg.device] = msg.store_ops
+                self.peak_rss[msg.device] = msg.peak_rss
             case _:
                 raise TrainingError(f"unexpected message {msg!r}")
 
@@ -577,9 +594,11 @@ class Core:
         self.generation += 1
         writers = self.coordinator.writers(plan)
         self.spec = GenerationSpec(self.generation, plan, members, resume_step, manifest, checkpoint, writers,
-                                   moves=manifest is not None)
+                                   moves=manifest is not None, evaluated=max(self.val_losses, default=-1))
         self.ledger.publish(self.generation, members=members, trainers=plan.devices, writers=writers,
                             resume_step=resume_step)
+        self.done.clear()  # a generation after the last step (a fault in the final validation) ends anew
+        self.final.clear()
         if manifest is not None:
             parts = manifest_parts(manifest, lambda d: d // self.per_node)
             empty = Manifest((), tuple(() for _ in manifest.rounds), {}, {})
@@ -606,7 +625,8 @@ class Core:
     def _commit(self, c: CommitStep) -> None:
         """Let workers apply the step, with the order for what follows; log it."""
         order, committed_in = CommitOrder(), self.generation
-        steady = self.spec.plan is self.resident and c.step >= self.spec.resume_step + STEADY_AFTER
+        steady = (self.spec.plan is self.resident and c.step >= self.spec.resume_step + STEADY_AFTER
+                  and c.step not in self.val_losses)  # a validation before the step is no part of its pace
         if self.preempt and not self.stopping and not self.ledger.finished:
             order, self.stopping = CommitOrder(save=True, stop=True), True
             self._say(f"chameleon: SIGTERM: saving a checkpoint after step {c.step}, then stopping")
@@ -622,27 +642,38 @@ class Core:
             self.resident_times.append(dt)
         self.commit_times[c.step] = now
         self._emit(Committed(c.step, c.loss, c.samples, dt, c.compute_s, c.grad_norm,
-                             learning_rate(c.step, **schedule_of(self.train)), committed_in, now, now - c.t_synced))
+                             learning_rate(c.step, **schedule_of(self.train)), committed_in, now, now - c.t_synced,
+                             self.val_losses.get(c.step)))
         if self.pending is not None:
             self._close_recovery(now, c.compute_s)
         if self.growing is not None and self.growing.t_started:
             self._close_growth(now)
+
+    def _validated(self, evaluation: Evaluation) -> None:
+        now = self.clock.wall()
+        self.val_losses[evaluation.step] = evaluation.loss
+        self._emit(Validated(evaluation.step, evaluation.loss, self.generation, now))
+        if self.pending is not None and self.ledger.finished:  # a fault in the last validation: it is redone
+            self._close_recovery(now, None)
 
     def _commit_checkpoint(self, complete: CheckpointComplete) -> None:
         self._emit(SaveCheckpoint(complete))
         self.saved = SavedState(complete.step, self.commit_times[complete.step - 1], self.ckpt_root)
         self._record(event="checkpoint", step=complete.step, path=str(self.ckpt_root), generation=complete.generation)
 
-    def _close_recovery(self, now: float, step_s: float) -> None:
+    def _close_recovery(self, now: float, step_s: float | None) -> None:
+        """The first commit after a fault (``step_s``: its compute), or the last validation redone (None)."""
         rec, self.pending = self.pending, None
         rec.t_first_commit, rec.first_step_s = now, step_s
         self.recoveries.append(rec)
         self._record(event="recovered", generation=self.generation, time=now, **rec.record())
+        pace = (f"step {step_s:.3f} s vs {rec.estimated_step_s:.3f} s estimated" if step_s is not None
+                else "the last validation redone")
         self._say(
             f"chameleon: recovered from the loss of {rec.failed} by {rec.decision.get('choice')} in "
             f"{rec.t_first_commit - rec.t_fault:.3f} s (detect {rec.t_detect - rec.t_fault:.3f}, decide "
             f"{rec.t_decided - rec.t_detect:.3f}, restore {rec.t_started - rec.t_decided:.3f}, redo "
-            f"{rec.t_first_commit - rec.t_started:.3f}); step {step_s:.3f} s vs {rec.estimated_step_s:.3f} s estimated"
+            f"{rec.t_first_commit - rec.t_started:.3f}); {pace}"
         )
 
     # ----- faults -------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ A fault pinned to a ``step`` and ``phase`` is fired by the victim worker itself 
 that exact point; for node faults, the node's first device with a stage announces it
 there and the node's agent fires it as soon as the controller has noted where it
 struck (the agent dies with its node, so it could not report that afterwards). Phases of
-a step: ``forward``, ``backward``, ``sync``, ``optimizer``, or ``any`` (a uniformly
+a step: ``eval`` (the validation loss taken before it, where due; step ``train.steps``: after the
+last), ``forward``, ``backward``, ``sync``, ``optimizer``, or ``any`` (a uniformly
 random moment of the step's compute, at its end at the latest, before its commit). A device the
 plan leaves idle fires its faults of a step as that step starts.
 Phases of the recovery that resumes at ``step``: ``recovery`` (as the worker starts
@@ -41,7 +42,7 @@ from pathlib import Path
 from chameleon.runtime.beacon import Beacon, Position
 from chameleon.runtime.errors import DeviceFault
 
-STEP_PHASES = ("forward", "backward", "sync", "optimizer", "any")
+STEP_PHASES = ("eval", "forward", "backward", "sync", "optimizer", "any")
 RECOVERY_PHASES = ("recovery", "rebuild", "transfer", "redo")
 CONTROLLER_PHASES = ("decision",)
 PHASES = STEP_PHASES + RECOVERY_PHASES + CONTROLLER_PHASES

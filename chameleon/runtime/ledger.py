@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from chameleon.runtime.errors import TrainingError
-from chameleon.runtime.messages import NodeReady, NodeSaved, NodeSynced
+from chameleon.runtime.messages import NodeEvaluated, NodeReady, NodeSaved, NodeSynced
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,14 @@ class CommitStep:
 
 
 @dataclass(frozen=True)
+class Evaluation:
+    """Every node with trainers took its part of the validation loss before ``step``: the whole loss."""
+
+    step: int
+    loss: float
+
+
+@dataclass(frozen=True)
 class CheckpointComplete:
     """Every writer of ``generation`` saved its part of the checkpoint at ``step`` committed steps."""
 
@@ -54,6 +62,7 @@ class CheckpointComplete:
 @dataclass
 class _Book:
     reports: dict[int, NodeSynced] = field(default_factory=dict)
+    evaluated: dict[int, dict[int, float]] = field(default_factory=dict)  # by step, each node's part
 
 
 class Ledger:
@@ -146,7 +155,7 @@ class Ledger:
         reports[msg.node] = msg
         if len(reports) < len(self._trainers_on):
             return None
-        self._book = _Book()
+        self._book.reports = {}
         start = msg.step * self.global_batch
         stop = start + self.global_batch
         ranges = sorted(r for n in reports.values() for r in n.samples)
@@ -163,6 +172,20 @@ class Ledger:
             msg.step, sum(n.loss_sum for n in nodes), (start, stop), max(n.compute_s for n in nodes),
             math.sqrt(sum(norms)) if norms else None, max(n.t_synced for n in nodes),
         )
+
+    def on_evaluated(self, msg: NodeEvaluated) -> Evaluation | None:
+        """Book a node's part of a validation loss; whole once every node with trainers reported it."""
+        if self._stale(msg.generation) or not self.started:
+            return None
+        if tuple(msg.devices) != self._trainers_on.get(msg.node, ()):
+            raise TrainingError(f"node {msg.node} evaluated step {msg.step} for devices {list(msg.devices)}, "
+                                f"but its trainers are {list(self._trainers_on.get(msg.node, ()))}")
+        parts = self._book.evaluated.setdefault(msg.step, {})
+        parts[msg.node] = msg.loss_sum
+        if len(parts) < len(self._trainers_on):
+            return None
+        del self._book.evaluated[msg.step]
+        return Evaluation(msg.step, sum(parts[n] for n in sorted(parts)))
 
     def on_saved(self, msg: NodeSaved) -> CheckpointComplete | None:
         """Book a node's writers' parts; complete once every writer of its generation saved (an intact earlier one too)."""

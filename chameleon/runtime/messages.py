@@ -60,6 +60,7 @@ class GenerationSpec:
     checkpoint: str | None = None
     writers: tuple[int, ...] = ()  # the devices that write its checkpoints
     moves: bool = False  # state moves by a manifest (its part arrives as :class:`Moves`)
+    evaluated: int = -1  # the last step whose validation loss the job recorded (it is not taken again)
 
     @cached_property
     def device_set(self) -> frozenset[int]:
@@ -162,6 +163,16 @@ class Synced:
 
 
 @dataclass(frozen=True)
+class Evaluated:
+    """A worker's part of the validation loss before ``step`` (``step == train.steps``: after the last)."""
+
+    device: int
+    generation: int
+    step: int
+    loss_sum: float
+
+
+@dataclass(frozen=True)
 class CheckpointSaved:
     """A worker's part of the checkpoint of ``step`` (committed steps) is on disk."""
 
@@ -204,11 +215,13 @@ class FinalShards:
 
 @dataclass(frozen=True)
 class Done:
-    """A worker finished and is exiting cleanly, after ``store_ops`` operations on the controller's store."""
+    """A worker finished, after ``store_ops`` operations on the controller's store, its resident memory having
+    peaked at ``peak_rss`` bytes."""
 
     device: int
     generation: int
     store_ops: int = 0
+    peak_rss: int = 0
 
 
 # ----- agent → controller ---------------------------------------------------------------------
@@ -259,6 +272,17 @@ class NodeSynced:
     compute_s: float
     norm_sq: float | None
     t_synced: float
+
+
+@dataclass(frozen=True)
+class NodeEvaluated:
+    """Every trainer of ``generation`` on the node took its part of the validation loss before ``step``: their sum."""
+
+    node: int
+    generation: int
+    step: int
+    devices: tuple[int, ...]
+    loss_sum: float
 
 
 @dataclass(frozen=True)
@@ -430,8 +454,8 @@ codec.register_packed(Plan, pack=_pack_plan, unpack=_unpack_plan)
 codec.register_packed(Manifest, pack=_pack_manifest, unpack=_unpack_manifest)
 codec.register(
     Pipeline, Stage, Reroute, Move, Position, FaultSpec, GenerationSpec, CommitOrder,
-    Moves, Publish, Begin, Commit, Flag, End, Standby, Ready, Synced, CheckpointSaved, Failed, Dying, FinalShards, Done,
-    Hello, Lease, NodeReady, NodeSynced, NodeSaved, Positions, Exited, Hung,
+    Moves, Publish, Begin, Commit, Flag, End, Standby, Ready, Synced, Evaluated, CheckpointSaved, Failed, Dying,
+    FinalShards, Done,    Hello, Lease, NodeReady, NodeSynced, NodeEvaluated, NodeSaved, Positions, Exited, Hung,
     Renew, Start, Inject, Noted, Probe, Welcome, Signal, Shutdown,
 )
 codec.register_tree(Config)

@@ -2,8 +2,8 @@
 
 The controller's protocol core (:mod:`chameleon.runtime.core`) says what happened
 as effects; the recorder turns them into ``events.jsonl`` (one line per fault,
-decision, recovery, growth, checkpoint…), ``metrics.jsonl`` (one line per committed
-step), ``errors.log`` (a worker's traceback), the progress bar and the lines on
+decision, recovery, growth, checkpoint, validation loss…), ``metrics.jsonl`` (one line per
+committed step, with ``val_loss`` on the steps it was taken before), ``errors.log`` (a worker's traceback), the progress bar and the lines on
 stderr, and at the end ``summary.json``.
 """
 
@@ -17,7 +17,7 @@ from tqdm import tqdm
 from chameleon.config import Config
 from chameleon.data.stream import sample_ids_digest
 from chameleon.report.outputs import JsonLines, write_json
-from chameleon.runtime.core import Committed, Record, Say
+from chameleon.runtime.core import Committed, Record, Say, Validated
 from chameleon.runtime.errors import TrainingError
 
 
@@ -33,6 +33,8 @@ class Recorder:
         self.losses: dict[int, float] = {}
         self.step_times: dict[int, float] = {}
         self.samples: dict[int, tuple[int, int]] = {}
+        self.val_losses: dict[int, float] = {}
+        self.generation = 0
 
     def write(self, effect: object) -> None:
         """Record one of the core's effects (:class:`Record`, :class:`Committed` or :class:`Say`)."""
@@ -45,6 +47,14 @@ class Recorder:
                 self.events.write(event)
             case Committed():
                 self._committed(effect)
+            case Validated(step=step, loss=loss):
+                self.val_losses[step] = loss
+                self.events.write({"event": "validated", "step": step, "val_loss": loss,
+                                   "generation": effect.generation, "time": effect.time})
+                self.generation = effect.generation
+                self._postfix()
+                if step == self.config.train.steps:
+                    self.say(f"chameleon: validation loss after step {step}: {loss:.4f}")
             case Say(text=text):
                 self.say(text)
             case _:
@@ -60,12 +70,21 @@ class Recorder:
             "step": c.step, "loss": c.loss, "samples_per_s": batch / c.step_time_s,
             "tokens_per_s": batch * seq_len / c.step_time_s, "step_time_s": c.step_time_s, "compute_s": c.compute_s,
             "commit_s": c.commit_s, "generation": c.generation, "time": c.time, "lr": c.lr, "grad_norm": c.grad_norm,
+            **({"val_loss": c.val_loss} if c.val_loss is not None else {}),
         })
-        self.bar.n = c.step + 1
-        self.bar.set_postfix(loss=f"{c.loss:.4f}", gen=c.generation)
+        self.bar.n, self.generation = c.step + 1, c.generation
+        self._postfix()
+
+    def _postfix(self) -> None:
+        """The progress bar's figures: the last loss, the last validation loss, the generation."""
+        shown = {"loss": f"{self.losses[max(self.losses)]:.4f}"} if self.losses else {}
+        if self.val_losses:
+            shown["val"] = f"{self.val_losses[max(self.val_losses)]:.4f}"
+        self.bar.set_postfix(shown | {"gen": self.generation})
 
     def summary(self, *, recoveries: list[dict], growths: list[dict], plan: str, generations: int, world_size: int,
-                nnodes: int, wall_s: float, startup_s: float | None, store_ops: dict[int, int]) -> Path:
+                nnodes: int, wall_s: float, startup_s: float | None, store_ops: dict[int, int],
+                peak_rss: dict[int, int]) -> Path:
         """Write ``summary.json`` (every step must have committed); return its path.
 
         Raises:
@@ -85,6 +104,8 @@ class Recorder:
             "steps_completed": len(steps),
             "final_loss": self.losses[steps[-1]],
             "losses": [self.losses[s] for s in steps],
+            "val_losses": [[s, self.val_losses[s]] for s in sorted(self.val_losses)],
+            "final_val_loss": self.val_losses.get(self.config.train.steps),
             "samples_per_s": rate(steady),
             "tokens_per_s": rate(steady) * self.config.train.seq_len,
             "mean_step_time_s": sum(steady) / len(steady),
@@ -100,6 +121,7 @@ class Recorder:
             "wall_s": wall_s,
             "startup_s": startup_s,
             "store_ops": {str(d): n for d, n in sorted(store_ops.items())},  # each worker's, all process-group rendezvous
+            "peak_rss_mb": {str(d): n / 2**20 for d, n in sorted(peak_rss.items())},  # each worker's resident peak
         })
 
     def close(self) -> None:

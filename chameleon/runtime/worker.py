@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import signal
 import sys
 import threading
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 
 from chameleon.config import Config
-from chameleon.data.stream import SampleStream
+from chameleon.data.stream import Streams, evaluation_due, open_streams
 from chameleon.layout.geometry import geometry_of, sync_rounds, writers
 from chameleon.layout.plan import Plan
 from chameleon.layout.schedule import executors, step_actions
@@ -52,10 +53,10 @@ from chameleon.runtime.downlink import Inbox
 from chameleon.runtime.errors import ControllerLost
 from chameleon.runtime.faults import FaultSpec, WorkerFaults, node_firer, typical
 from chameleon.runtime.messages import (
-    CheckpointSaved, Commit, CommitOrder, Done, Dying, Failed, FinalShards, GenerationSpec, Ready, Standby, Synced,
-    sample_ranges,
+    CheckpointSaved, Commit, CommitOrder, Done, Dying, Evaluated, Failed, FinalShards, GenerationSpec, Ready, Standby,
+    Synced, sample_ranges,
 )
-from chameleon.runtime.schedule import run_step
+from chameleon.runtime.schedule import evaluate, run_step
 from chameleon.runtime.stage import StageState, role_of, stage_regions
 from chameleon.runtime.transfer import execute_manifest
 
@@ -189,7 +190,7 @@ def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> Non
     model = cfg.model
     rendezvous = partial(connect_store, spec.store_host, spec.store_port, timeout_s=launcher.timeout_s)
     pushed = _Pushed(inbox)
-    stream = SampleStream.from_config(path=cfg.data.path, seq_len=train.seq_len, seed=train.seed)
+    streams = open_streams(cfg.data, seq_len=train.seq_len, seed=train.seed)
 
     def announce(fault: FaultSpec, where) -> None:
         uplink.send(Dying(me, where.generation, fault, time.time(), where))
@@ -198,13 +199,13 @@ def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> Non
                           announce=announce)
     confirm_s = 2 * cfg.ft.heartbeat_timeout_s + 1.0
     state: StageState | None = None
-    generation, member, compute_s, previous = 0, False, [], None
+    generation, member, compute_s, previous, done = 0, False, [], None, False
     while True:
         beacon.at("standby")
         gen_spec = pushed.next_spec(generation, me, was_member=member, standby=lambda g: uplink.send(Standby(me, g)))
         if gen_spec is None:
             break
-        generation, member, resume = gen_spec.generation, True, gen_spec.resume_step
+        generation, member, resume, done = gen_spec.generation, True, gen_spec.resume_step, False
         node = [d for d in gen_spec.devices if d // spec.nproc_per_node == me // spec.nproc_per_node]
         faults.enter(generation, resume_step=resume, firer=node_firer(set(gen_spec.plan.devices), node) == me)
         gen = None
@@ -223,7 +224,7 @@ def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> Non
             uplink.send(Ready(me, generation))
             pushed.begun(gen)
             state = established
-            order = _train(gen_spec, state, gen=gen, model=model, cfg=cfg, stream=stream, uplink=uplink,
+            order = _train(gen_spec, state, gen=gen, model=model, cfg=cfg, streams=streams, uplink=uplink,
                            faults=faults, pushed=pushed, compute_s=compute_s, run_dir=spec.run_dir)
         except PeerFailure:
             if state is not None:
@@ -237,13 +238,23 @@ def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> Non
         if order is not None and order.switch_to is not None:
             generation, previous = order.switch_to, gen  # every group is quiescent: the next keeps what it can
             continue
-        if order is None and state is not None and cfg.output.save_params:
+        if order is not None:
+            break  # a stop was ordered: the job ends
+        if state is not None and cfg.output.save_params:
             written = writers(spec_of(model).layout(model, gen_spec.plan)).get(me, {})
             mine = {n: shard for n, shard in state.shards().items() if n in written}
             uplink.send(FinalShards(me, generation, mine))
-        break
-    beacon.at("done")
-    uplink.send(Done(me, generation, store_ops()))
+        beacon.at("done")
+        uplink.send(Done(me, generation, store_ops(), _peak_rss()))
+        generation, done = generation + 1, True  # wait for the end: a fault now (in a peer's last validation) needs it
+    if not done:
+        beacon.at("done")
+        uplink.send(Done(me, generation, store_ops(), _peak_rss()))
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory, bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def plan_groups(model: ModelConfig, spec: GenerationSpec) -> list[tuple[int, ...]]:
@@ -297,11 +308,14 @@ def _establish(
     return StageState.create(model, role, seed=train.seed, train=train, device=device)
 
 
-def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generation, model, cfg: Config, stream,
-           uplink, faults: WorkerFaults, pushed: _Pushed, compute_s: list[float], run_dir: str) -> CommitOrder | None:
+def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generation, model, cfg: Config,
+           streams: Streams, uplink, faults: WorkerFaults, pushed: _Pushed, compute_s: list[float],
+           run_dir: str) -> CommitOrder | None:
     """Train from the resume step; return the order that ended the generation early, None at the last step.
 
-    A fault raises :class:`PeerFailure`. Devices without a stage follow the commits until one ends the generation.
+    The validation loss is taken before each step it is due at and after the last one
+    (unless this job recorded it already). A fault raises :class:`PeerFailure`. Devices
+    without a stage follow the commits until one ends the generation.
     """
     train, plan, me = cfg.train, gen_spec.plan, gen.me
     if state is None:
@@ -313,12 +327,21 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
     actions = step_actions(plan)[me]
     saver = _Saver(cfg, layout, gen=gen, uplink=uplink, run_dir=run_dir)
     norm_regions = writers(layout).get(me, {})
+
+    def validate(step: int) -> None:
+        if (streams.val is not None and step > gen_spec.evaluated
+                and evaluation_due(step, interval=train.eval_interval, steps=train.steps)):
+            loss = evaluate(step, plan=plan, actions=actions, state=state, stream=streams.val, gen=gen, model=model,
+                            train=train, tp=tp, on_phase=faults.phase)
+            uplink.send(Evaluated(me, gen.generation, step, loss))
+
     for step in range(gen_spec.resume_step, train.steps):
+        validate(step)
         faults.step_started(step, typical(compute_s, 0.05))
         start = time.perf_counter()
         try:
             result = run_step(
-                step, plan=plan, actions=actions, state=state, stream=stream, gen=gen, model=model, train=train,
+                step, plan=plan, actions=actions, state=state, stream=streams.train, gen=gen, model=model, train=train,
                 rounds=rounds, tp=tp, norm_regions=norm_regions, on_phase=faults.phase,
             )
             compute_s.append(time.perf_counter() - start)
@@ -337,6 +360,7 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
             saver.finish()
             return commit.order
     saver.finish()
+    validate(train.steps)
     return None
 
 
