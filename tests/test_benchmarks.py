@@ -45,3 +45,10 @@ def test_bench_torchft_quick(tmp_path):
     page = (tmp_path / "torchft.md").read_text()
     assert "| chameleon |" in page and "| torchft |" in page
 
+
+
+def test_bench_data_small(tmp_path):
+    proc = run("bench_data.py", "--mb", "0.5", "--vocab", "512", "--big-gb", "0.01", "--steps", "3", "--repeats", "1",
+               "--json", str(tmp_path / "data.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "shards byte-identical across worker counts: yes" in proc.stdout and "stream ratio" in proc.stdout

@@ -123,3 +123,14 @@ def test_step_samples_do_not_depend_on_layout():
 
     assert trained(1) == trained(2) == trained(4) == list(range(48, 64))
     assert sample_ids_digest([trained(1)]) == sample_ids_digest([trained(4)])
+
+
+def test_validation_shards_of_their_own(tmp_path):
+    train_text, val_text = tmp_path / "train.txt", tmp_path / "val.txt"
+    train_text.write_text("alpha beta gamma delta " * 40 + "\n\n" + "epsilon zeta eta " * 40)
+    val_text.write_text("held out words only " * 30)
+    streams = open_streams(DataConfig(path=str(train_text), val_path=str(val_text)), seq_len=16, seed=0)
+    assert streams.n_documents == 2 and streams.n_val_documents == 1  # every training document trains
+    val, _ = streams.val.batch(range(streams.val.n_windows))
+    assert all(decode(row) in "held out words only " * 30 for row in val)
+    assert streams.train.n_windows == (922 + 680 - 1) // 16  # both paragraphs, one run of windows

@@ -26,12 +26,15 @@ class LaunchError(ValueError):
     """The launch keys and the environment do not describe a job; the message names the key and the fix."""
 
 
-def resolve(launcher: Mapping, env: Mapping[str, str] = os.environ) -> dict:
-    """``launcher`` with every null launch key filled (see the module doc).
+def resolve(launcher: Mapping, env: Mapping[str, str] | None = None) -> dict:
+    """``launcher`` with every null launch key filled (see the module doc) from ``env`` (None: the process's
+    environment as it is now: a library may have replaced ``os.environ`` since import, as ``datasets``' worker
+    pool does).
 
     Raises:
         LaunchError: a value in the environment is malformed.
     """
+    env = os.environ if env is None else env
     out = dict(launcher)
     slurm = "SLURM_JOB_ID" in env
     if out["nnodes"] is None:
@@ -63,13 +66,14 @@ def launch_problem(launcher: Mapping) -> str | None:
     return None
 
 
-def job_secret(nnodes: int, env: Mapping[str, str] = os.environ) -> str:
-    """The secret that authenticates control traffic: ``CHAMELEON_SECRET``, or a fresh one on one node.
+def job_secret(nnodes: int, env: Mapping[str, str] | None = None) -> str:
+    """The secret that authenticates control traffic: ``CHAMELEON_SECRET`` (of ``env``; None: the process's
+    environment now), or a fresh one on one node.
 
     Raises:
         LaunchError: a multi-node job without ``CHAMELEON_SECRET``.
     """
-    secret = env.get(SECRET_ENV)
+    secret = (os.environ if env is None else env).get(SECRET_ENV)
     if secret:
         return secret
     if nnodes > 1:
