@@ -73,7 +73,8 @@ class DataConfig:
     text_key: str = "text"  # the JSONL/Parquet field holding each document's text
     eos_token: str | None = None  # the end-of-document token, when the tokenizer does not name one
     workers: int = 1  # tokenizing processes
-    # Validation: documents held out of training (a seeded choice of this fraction), or shards of their own.
+    # Validation: documents held out of training (a seeded choice holding this fraction of the tokens), or
+    # shards of their own.
     val_fraction: float = 0.05
     val_path: str | None = None
     # window: windows of seq_len+1 tokens over the concatenated documents; document: none straddles two.
