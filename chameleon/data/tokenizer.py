@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 import re
@@ -362,8 +363,6 @@ class _Tiktoken:
 
     def token_to_id(self, token: str) -> int | None:
         for spelling in (token, token.encode("utf-8")):
-            try:
+            with contextlib.suppress(KeyError):  # not a token under this spelling: try the next
                 return self.encoding.encode_single_token(spelling)
-            except KeyError:
-                pass
         return None

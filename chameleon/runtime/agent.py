@@ -193,7 +193,7 @@ class Agent:
                     self.report(NodeEvaluated(self.node, g, step, current.trainers,
                                               sum(book[t] for t in current.trainers)))
             case Evaluated():
-                pass
+                pass  # of a generation already superseded
             case CheckpointSaved(device=d, generation=g, step=step):
                 writers = self.writers.get(g)
                 if writers is None:
