@@ -33,6 +33,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from _common import header
@@ -65,8 +66,8 @@ def ranks(kind: str, n: int, mine: list[int], port: int, out) -> None:
         client = comm.CountedStore(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT))
         start.wait(["go"])
         t0 = time.perf_counter()
-        built = [comm._new_group("gloo", dist.PrefixStore(comm.group_prefix(0, g), client), g.index(me), len(g),
-                                 TIMEOUT, "127.0.0.1") for g in sorted(groups) if me in g and len(g) > 1]
+        built = [comm.build_group("gloo", dist.PrefixStore(comm.group_prefix(0, g), client), g.index(me), len(g),
+                                 TIMEOUT, "127.0.0.1", torch.device("cpu")) for g in sorted(groups) if me in g and len(g) > 1]
         results[me] = (time.perf_counter() - t0, sum(len(g) - 1 for g in groups if me in g and len(g) > 1), len(built))
 
     threads = [threading.Thread(target=one, args=(me,)) for me in mine]

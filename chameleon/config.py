@@ -120,6 +120,9 @@ class FaultToleranceConfig:
     stall_timeout_s: float | None = None
     stall_min_s: float = 10.0
     stall_factor: float = 20.0
+    # Aborting a broken generation's communicators (NCCL/HCCL) may take this long; a worker whose abort
+    # has not returned by then fences itself and is replaced as a lost device.
+    abort_timeout_s: float = 10.0
     # recover: survive faults in place. exit: like torchrun, stop every worker and exit 3 so an outer
     # scheduler relaunches the job (with ckpt.resume) — the restart path Chameleon is measured against.
     on_fault: str = "recover"
@@ -292,7 +295,7 @@ def validate(cfg: DictConfig) -> Plan:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     ft = cfg.ft
-    for key in ("heartbeat_timeout_s", "stall_min_s", "stall_factor"):
+    for key in ("heartbeat_timeout_s", "stall_min_s", "stall_factor", "abort_timeout_s"):
         _check(ft[key] > 0, f"ft.{key}={ft[key]}: must be > 0")
     _check(ft.stall_timeout_s is None or ft.stall_timeout_s > 0, f"ft.stall_timeout_s={ft.stall_timeout_s}: null or > 0")
     _check(ft.on_fault in ("recover", "exit"), f"ft.on_fault={ft.on_fault!r}: use recover or exit")
@@ -432,11 +435,18 @@ def _check_training_keys(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from None
 
 
+def pipelines_allowed(launcher) -> bool:
+    """True when the launch's backend may carry pipelines (gloo). NCCL's and HCCL's sends block until
+    matched and 1F1B's exchanges are not batched for them yet, so their plans — a recovery's too — keep
+    one stage per pipeline."""
+    return launcher.device == "cpu" or launcher.backend == "gloo"
+
+
 def _check_backend(cfg: DictConfig, plan: Plan) -> None:
     """``launcher.backend`` against the device, the workers and the plan (after the device was found)."""
     backend, device = cfg.launcher.backend, cfg.launcher.device
     _check(backend in (None, "gloo", "nccl", "hccl"), f"launcher.backend={backend!r}: use gloo, nccl, hccl or null")
-    if device == "cpu" or backend == "gloo":
+    if pipelines_allowed(cfg.launcher):
         return
     _check(max(p.n_stages for p in plan.pipelines) == 1,
            f"launcher.device={device} pipelines stages over {backend or 'its default backend'}, whose sends block "

@@ -5,7 +5,9 @@ mutates its inputs or holds state: the optimizer state (``exp_avg``, ``exp_avg_s
 goes in and comes out, and the step count and learning rate are arguments — both
 derived from the *global* step, so a run resumed at any step, on any plan, continues
 exactly where it left off. The arithmetic is ``torch.optim.AdamW``'s (single-tensor
-path) and ``torch.nn.utils.clip_grad_norm_``'s, operation for operation.
+path) and ``torch.nn.utils.clip_grad_norm_``'s, operation for operation, run as
+multi-tensor ops (``torch._foreach_*``): one launch per operation for a whole stage.
+:func:`adamw_` is the in-place form a stage's own state is updated with.
 """
 
 from __future__ import annotations
@@ -52,21 +54,50 @@ def adamw(
     Returns:
         ``(params, moments)`` after the update; the inputs are left untouched.
     """
+    names = list(params)
+    new_params = {n: params[n].clone() for n in names}
+    new_moments = {kind: {n: moments[kind][n].clone() for n in names} for kind in MOMENTS}
+    adamw_([new_params[n] for n in names], [grads[n] for n in names], [new_moments["exp_avg"][n] for n in names],
+           [new_moments["exp_avg_sq"][n] for n in names], step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+           weight_decay=weight_decay)
+    return new_params, new_moments
+
+
+def adamw_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    step: int,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """:func:`adamw` in place on lists of tensors, one multi-tensor (``torch._foreach_*``) op per stage of the update.
+
+    The ops are the single-tensor path's, in its order: on CPU the results are its bits; on an
+    accelerator each op is one launch over every tensor instead of one per tensor.
+
+    Raises:
+        ValueError: ``step < 1``.
+    """
     if step < 1:
         raise ValueError(f"step={step}: AdamW counts updates from 1")
+    if not params:
+        return
     bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
-    new_params: dict[str, Tensor] = {}
-    new_moments: dict[str, dict[str, Tensor]] = {kind: {} for kind in MOMENTS}
-    for name, param in params.items():
-        grad = grads[name]
-        if weight_decay:
-            param = param * (1 - lr * weight_decay)
-        exp_avg = torch.lerp(moments["exp_avg"][name], grad, 1 - beta1)
-        exp_avg_sq = torch.addcmul(moments["exp_avg_sq"][name] * beta2, grad, grad, value=1 - beta2)
-        denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(eps)
-        new_params[name] = torch.addcdiv(param, exp_avg, denom, value=-lr / bias1)
-        new_moments["exp_avg"][name], new_moments["exp_avg_sq"][name] = exp_avg, exp_avg_sq
-    return new_params, new_moments
+    if weight_decay:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bias1)
 
 
 def sum_of_squares(tensors: Iterable[Tensor], *, device: torch.device) -> Tensor:
@@ -75,10 +106,10 @@ def sum_of_squares(tensors: Iterable[Tensor], *, device: torch.device) -> Tensor
     Summed per device over disjoint pieces that tile every tensor once, then over
     devices (by the controller), this gives the square of the global gradient norm.
     """
-    norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
-    if not norms:
+    tensors = list(tensors)
+    if not tensors:
         return torch.zeros(1, dtype=torch.float32, device=device)
-    return torch.stack(norms).square().sum().reshape(1)
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum().reshape(1)
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
@@ -93,11 +124,10 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     return torch.clamp(coefficient, max=1.0).item()
 
 
-def scale(tree: Tree, factor: float) -> dict[str, Tensor]:
-    """Every tensor times ``factor`` (the same tensors when ``factor == 1``)."""
-    if factor == 1.0:
-        return dict(tree)
-    return {n: t * factor for n, t in tree.items()}
+def scale_(tensors: list[Tensor], factor: float) -> None:
+    """Every tensor times ``factor``, in place, as one multi-tensor op (nothing to do when ``factor == 1``)."""
+    if factor != 1.0:
+        torch._foreach_mul_(tensors, factor)
 
 
 def learning_rate(

@@ -1,6 +1,6 @@
 """Accelerator-resident training state (``-m accelerator``; skipped where no CUDA device is visible).
 
-``benchmarks/device_check.py`` runs these on a GPU host. Each compares with the
+``benchmarks/device_check.py`` runs these on a GPU host (its ``accelerator_tests`` section). Each compares with the
 same computation on the CPU, which every other test already checks against the
 single-process reference.
 """

@@ -171,6 +171,20 @@ def test_a_device_error_is_the_loss_of_that_device(tmp_path, reference):
 
 
 @pytest.mark.full
+def test_a_worker_whose_abort_never_returns_fences_itself_and_is_replaced(tmp_path, reference):
+    """Device 1 is killed; device 2's abort of the broken generation blocks (as ``ncclCommAbort`` can): after
+    ``ft.abort_timeout_s`` it fences itself, is lost like a device, and its stage is rebuilt from the replica."""
+    run = run_entry("train", tmp_path / "run", *MODEL, *DP2_PP3, "ft.abort_timeout_s=1.0", "failure=schedule",
+                    "failure.faults=[{kind:kill,rank:1,step:3,phase:forward},{kind:stuck_abort,rank:2,step:3}]")
+    got = assert_recovered(run, reference)
+    lost = {rank for r in got["recoveries"] for rank in r["failed_ranks"]}
+    assert lost == {1, 2}, got["recoveries"]
+    fenced = [r for r in got["recoveries"] if 2 in r["failed_ranks"]]
+    assert "did not return within 1 s (ft.abort_timeout_s)" in fenced[0]["cause"], fenced[0]["cause"]
+    assert not run.leftover_workers()
+
+
+@pytest.mark.full
 def test_a_lost_device_restarted_is_taken_back(tmp_path, long_reference):
     """failure.rejoin_after_s restarts the killed worker; the job grows back onto it at a step boundary
     (a forced policy always grows back), and nothing is lost."""

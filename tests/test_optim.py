@@ -9,7 +9,7 @@ import torch
 
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import LLAMA
-from chameleon.optim import adamw, clip_coefficient, init_moments, learning_rate, scale, sum_of_squares
+from chameleon.optim import adamw, clip_coefficient, init_moments, learning_rate, scale_, sum_of_squares
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16)
 HP = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
@@ -41,7 +41,8 @@ def test_adamw_with_clipping_and_schedule_is_torchs_bit_for_bit(weight_decay):
         norm = sum_of_squares(grads.values(), device=torch.device("cpu")).sqrt().item()
         factor = clip_coefficient(norm, max_norm)
         clipped += factor < 1
-        params, moments = adamw(params, scale(grads, factor), moments, step + 1,
+        scale_(list(grads.values()), factor)
+        params, moments = adamw(params, grads, moments, step + 1,
                                 lr=learning_rate(step, **schedule), weight_decay=weight_decay, **HP)
 
         LLAMA.full_forward_loss(ref, CFG, tokens, targets).backward()
@@ -94,5 +95,8 @@ def test_clip_coefficient_only_shrinks():
     assert clip_coefficient(0.5, 1.0) == 1.0
     assert clip_coefficient(4.0, 1.0) == pytest.approx(0.25)
     assert clip_coefficient(4.0, 0.0) == 1.0  # off
-    grads = {"a": torch.ones(3)}
-    assert scale(grads, 1.0)["a"] is grads["a"]
+    grads = [torch.ones(3), torch.full((2, 2), 4.0)]
+    scale_(grads, 1.0)
+    assert torch.equal(grads[0], torch.ones(3))
+    scale_(grads, 0.25)
+    assert torch.equal(grads[0], torch.full((3,), 0.25)) and torch.equal(grads[1], torch.ones(2, 2))

@@ -20,7 +20,15 @@ blocked call stays blocked until the group's timeout (measured with torch 2.13).
   its connection closed), the worker waits up to ``confirm_s`` for the controller to
   flag it; if no flag comes, the original error is raised and stops the run.
 - NCCL and HCCL mean something else by ``wait()``; their completion is polled as
-  they define it (:mod:`chameleon.runtime.completion`).
+  they define it, under error handling Chameleon sets, not the library's default
+  (:mod:`chameleon.runtime.completion`). Their communicators are built eagerly and
+  non-blocking, on the waiter thread.
+- Sends and receives go in batches (:meth:`Generation.exchange`): on a backend that
+  coalesces (NCCL, HCCL), a pair's sends and receives are one group call, as NCCL
+  requires of two devices that send to each other.
+- Leaving a broken generation aborts its communicators on a side thread, within
+  ``abort_s``; an abort that does not return fences the device (:class:`DeviceFault`):
+  it is replaced as a lost device, its state recovered from replicas.
 
 Devices keep their ids across generations; in a group, ranks follow device order.
 """
@@ -30,7 +38,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from functools import partial
 
@@ -39,6 +47,7 @@ import torch.distributed as dist
 
 from chameleon.runtime.beacon import GROUP, NOBODY, Beacon
 from chameleon.runtime.completion import abort, polls_completion, post_p2p, wait_polled
+from chameleon.runtime.errors import DeviceFault
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 POLL_INTERVAL_S = 0.002  # fault-flag checks (a shared-memory read) while waiting; completion wakes the wait at once
@@ -116,12 +125,14 @@ class CountedStore(dist.Store):
         return self.inner.set_timeout(timeout)
 
 
-def _new_group(
-    backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta, host: str | None
+def build_group(
+    backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta, host: str | None, device: torch.device
 ) -> dist.ProcessGroup:
-    """A raw process group of ``backend`` (gloo, nccl, or a registered plugin such as hccl).
+    """A raw process group of ``backend`` (gloo, nccl, or a registered plugin such as hccl), connected.
 
     Gloo binds to ``host`` (this node's address) when given, else to what the hostname resolves to.
+    NCCL's communicator is non-blocking (``config.blocking=0``: its init returns while it runs, and
+    the first op waits for it, within ``timeout``) and built now, on ``device``, not at the first op.
     """
     if backend == "gloo":
         if host is None:
@@ -133,9 +144,23 @@ def _new_group(
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    creator = dist.Backend._plugins[backend.upper()].creator_fn
-    return creator(store, rank, size, timeout)
+        options.config.blocking = 0
+        group = dist.ProcessGroupNCCL(store, rank, size, options)
+        group.eager_connect_single_device(device)
+        return group
+    return _plugin_group(backend, store, rank, size, timeout)
+
+
+def _plugin_group(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
+    """A group of a registered plugin backend (torch-npu's hccl), called in the shape the plugin registered:
+    ``(store, rank, size, timeout)``, or with ``extended_api`` one ``_DistributedBackendOptions`` and no options."""
+    plugin = dist.Backend._plugins[backend.upper()]
+    if not plugin.extended_api:
+        return plugin.creator_fn(store, rank, size, timeout)
+    options = dist.distributed_c10d._DistributedBackendOptions()
+    options.store, options.group_rank, options.group_size, options.timeout = store, rank, size, timeout
+    options.group_id, options.global_ranks_in_group = f"chameleon-{backend}", list(range(size))
+    return plugin.creator_fn(options, None)
 
 
 class Generation:
@@ -166,6 +191,9 @@ class Generation:
         reuse: the previous generation, left in good order (a growth's switch), whose
             groups with the same members are kept instead of rebuilt.
         on_connect: called after the first group connects (fault injection).
+        device: this worker's device (NCCL binds its communicators to it; batches are coalesced on it).
+        abort_s: how long aborting a broken generation's communicators may take before this
+            device fences itself (``ft.abort_timeout_s``).
 
     Raises:
         PeerFailure: when the controller flags a fault before the groups connect.
@@ -186,8 +214,10 @@ class Generation:
         beacon: Beacon | None = None,
         reuse: Generation | None = None,
         on_connect: Callable[[], None] | None = None,
+        device: torch.device = torch.device("cpu"),
+        abort_s: float = 10.0,
     ):
-        self.confirm_s = confirm_s
+        self.confirm_s, self.abort_s, self.device = confirm_s, abort_s, device
         self.beacon = beacon
         self.generation = generation
         self.me = me
@@ -207,7 +237,8 @@ class Generation:
                 store_client = self.call(connect_store)
             sub_store = dist.PrefixStore(group_prefix(generation, members), store_client)
             self._groups[members] = self.call(
-                partial(_new_group, backend, sub_store, members.index(me), len(members), timeout, host), waiting_on=GROUP,
+                partial(build_group, backend, sub_store, members.index(me), len(members), timeout, host, device),
+                waiting_on=GROUP,
             )
             self.built += 1
             if on_connect is not None:
@@ -278,6 +309,28 @@ class Generation:
         group, rank = self._pair(device)
         return self._post(post_p2p, self.backend, group.recv, tensor, rank, tag, True)
 
+    def exchange(self, sends: Mapping[int, torch.Tensor], receives: Mapping[int, torch.Tensor], *, tag: int = 0) -> None:
+        """Send ``sends[d]`` to and receive ``receives[d]`` from each device ``d`` as one batch; wait for all of it.
+
+        On a backend that coalesces (NCCL, HCCL) each pair's ops are one group call, so two devices
+        that send to each other cannot deadlock on unmatched sends; gloo's ops are posted, then waited.
+        """
+        works: list[tuple[dist.Work, int]] = []
+        for peer in sorted({*sends, *receives}):
+            group, rank = self._pair(peer)
+            ops = [(group.send, sends[peer], False)] if peer in sends else []
+            ops += [(group.recv, receives[peer], True)] if peer in receives else []
+            if group.supports_coalescing:
+                group._start_coalescing(self.device)
+                for op, tensor, receive in ops:
+                    self._post(op, [tensor], rank, tag)
+                works.append((self._post(group._end_coalescing, self.device), peer))
+            else:
+                works += [(self._post(post_p2p, self.backend, op, tensor, rank, tag, receive), peer)
+                          for op, tensor, receive in ops]
+        for work, peer in works:
+            self.wait(work, peer=peer)
+
     def all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...]) -> None:
         """In-place sum over ``members`` (device ids in any order, a declared group)."""
         self.wait(self._post(self.group(tuple(sorted(members))).allreduce, [tensor]))
@@ -299,14 +352,30 @@ class Generation:
                 raise error
             time.sleep(POLL_INTERVAL_S)
 
-    def abandon(self) -> None:
+    def abandon(self, *, before_abort: Callable[[], None] = lambda: None) -> None:
         """Leave this generation for good: keep it referenced so no destructor blocks on dead peers.
 
-        NCCL and HCCL communicators are aborted too, so no device stays blocked in a dead peer's op.
+        NCCL and HCCL communicators are aborted (gloo's cannot be interrupted: nothing to do), on a
+        side thread: ``ncclCommAbort`` can block when a peer cannot abort too. ``before_abort`` runs
+        on that thread first (fault injection).
+
+        Raises:
+            DeviceFault: the abort did not return within ``abort_s``; this device's communication
+                state is unknown, so it fences itself and is replaced as a lost device.
         """
         ABANDONED.append(self)
-        if polls_completion(self.backend):
-            abort(list(self._groups.values()))
+        groups = list(self._groups.values()) if polls_completion(self.backend) else []
+        aborted = threading.Event()
+
+        def run() -> None:
+            before_abort()
+            abort(groups)
+            aborted.set()
+
+        threading.Thread(target=run, name=f"chameleon-abort-gen{self.generation}", daemon=True).start()
+        if not aborted.wait(self.abort_s):
+            raise DeviceFault(f"aborting generation {self.generation}'s communicators did not return within "
+                              f"{self.abort_s:g} s (ft.abort_timeout_s): this device fences itself")
 
 
 class _Pending:

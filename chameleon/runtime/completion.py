@@ -16,10 +16,17 @@
   whose peer died never completes: :func:`abort` aborts the generation's
   communicators (``ncclCommAbort`` underneath) so the device is released instead of
   spinning in the kernel.
+- **Who handles a failed op**: Chameleon, not the library. Left to its defaults,
+  ProcessGroupNCCL's watchdog tears the whole process down when an op fails or
+  times out (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``), taking every survivor of a
+  peer's death with it before the controller decided anything. :data:`LIBRARY_POLICY`
+  is set in every worker before its first group: the watchdog only aborts the
+  failed communicator and the error is raised in the worker, which keeps running.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -27,12 +34,25 @@ import torch
 import torch.distributed as dist
 
 POLLED = frozenset({"nccl", "hccl"})
+LIBRARY_POLICY = {
+    "nccl": {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # CleanUpOnly: abort the failed communicator, raise, keep the process
+        "TORCH_NCCL_ENABLE_MONITORING": "0",  # no heartbeat monitor killing a worker whose watchdog is stuck: it fences
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",  # no flight-recorder dump blocking the watchdog on a timeout
+    },
+    "hccl": {"HCCL_ASYNC_ERROR_HANDLING": "0"},  # torch-npu documents 0 and 1 only; 1 tears the process down
+}
 SPIN_S = 20e-6  # between completion queries: a device op's latency is microseconds, not the fault poll's
 
 
 def polls_completion(backend: str) -> bool:
     """True for backends whose ``Work.wait()`` does not block the host (NCCL, HCCL)."""
     return backend in POLLED
+
+
+def apply_library_policy(backend: str) -> None:
+    """Set ``backend``'s error handling to :data:`LIBRARY_POLICY` in this process (read as a group is built)."""
+    os.environ.update(LIBRARY_POLICY.get(backend, {}))
 
 
 def wait_polled(work: dist.Work, check: Callable[[], None], *, interval_s: float) -> None:

@@ -30,7 +30,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from chameleon.config import Config, world_size
+from chameleon.config import Config, pipelines_allowed, world_size
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.measured import Measured, plan_shape
 from chameleon.decision.planner import Planner
@@ -369,7 +369,8 @@ class Core:
         if profile.host_cores:
             profile = replace(profile, n_devices=self.world, devices_per_node=devices_per_host)
         self.profile = profile
-        self.planner_ = Planner(profile, dp_degrees=tuple(self.policy.dp_degrees), pp_lengths=tuple(self.policy.pp_lengths))
+        lengths = tuple(self.policy.pp_lengths) if pipelines_allowed(self.launcher) else (1,)
+        self.planner_ = Planner(profile, dp_degrees=tuple(self.policy.dp_degrees), pp_lengths=lengths)
         nodes = self.launcher.nnodes
         domains = tuple(tuple(range(n * self.per_node, (n + 1) * self.per_node)) for n in range(nodes)) if nodes > 1 else None
         self.coordinator = Coordinator(model=self.config.model, profile=profile, planner=self.planner_,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from chameleon.runtime.errors import DeviceFault
@@ -22,26 +24,36 @@ def import_torch_npu() -> None:
         ) from err
 
 
-def prepare_device(kind: str, *, local_rank: int) -> torch.device:
+def prepare_device(kind: str, *, local_rank: int, own_device: bool = False) -> torch.device:
     """Bind this worker to its device; torch_npu is imported only when ``kind == "npu"``.
 
+    Workers take the visible devices in turn (``local_rank`` modulo their count: gloo lets
+    several share one). With ``own_device`` (NCCL, HCCL: a device per worker) a worker past the
+    visible devices is refused instead of wrapped onto another worker's.
+
     Raises:
-        RuntimeError: naming ``launcher.device`` when the backend is not available.
+        RuntimeError: naming ``launcher.device`` when the backend is not available, or
+            ``launcher.nproc_per_node`` when this worker has no device of its own.
     """
     if kind == "cpu":
         return torch.device("cpu")
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("launcher.device=cuda but no CUDA device is visible: use launcher.device=cpu")
-        index = local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
+    if kind not in ("cuda", "npu"):
+        raise RuntimeError(f"launcher.device={kind!r}: use cpu, cuda or npu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("launcher.device=cuda but no CUDA device is visible: use launcher.device=cpu")
     if kind == "npu":
         import_torch_npu()
-        index = local_rank % torch.npu.device_count()
-        torch.npu.set_device(index)
-        return torch.device("npu", index)
-    raise RuntimeError(f"launcher.device={kind!r}: use cpu, cuda or npu")
+    module = getattr(torch, kind)
+    count = module.device_count()
+    if own_device and local_rank >= count:
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES" if kind == "cuda" else "ASCEND_RT_VISIBLE_DEVICES")
+        raise RuntimeError(
+            f"launcher.nproc_per_node: worker {local_rank} of this node needs a {kind} device of its own and "
+            f"{count} are visible" + (f" (visible devices: {hidden})" if hidden is not None else "") +
+            f": use launcher.nproc_per_node={count}, or launcher.backend=gloo to share devices")
+    index = local_rank % count
+    module.set_device(index)
+    return torch.device(kind, index)
 
 
 def is_device_fault(error: BaseException) -> bool:

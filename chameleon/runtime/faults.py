@@ -8,6 +8,9 @@ Kinds of fault, each on a device (``rank``) or a whole node (``node``):
   (caught only by the progress watchdog);
 - ``error`` / ``device_error``: an exception in the worker — an error of the run,
   which stops it, or a fault of the device itself, which loses that device;
+- ``stuck_abort``: from ``step`` on, the worker's next abort of a broken generation's
+  communicators never returns (as ``ncclCommAbort`` can block when a peer cannot abort);
+  it takes another fault to break a generation, so it comes in a ``schedule``;
 - ``node_kill``: SIGKILL of the node agent and every process under it (its workers) at once;
 - ``node_hang``: SIGSTOP of the node agent (a partition), resumed after ``resume_after_s``.
 
@@ -46,11 +49,12 @@ STEP_PHASES = ("eval", "forward", "backward", "sync", "optimizer", "any")
 RECOVERY_PHASES = ("recovery", "rebuild", "transfer", "redo")
 CONTROLLER_PHASES = ("decision",)
 PHASES = STEP_PHASES + RECOVERY_PHASES + CONTROLLER_PHASES
-DEVICE_KINDS = ("kill", "hang", "stall", "error", "device_error")
+DEVICE_KINDS = ("kill", "hang", "stall", "error", "device_error", "stuck_abort")
 NODE_KINDS = ("node_kill", "node_hang")
 FAULT_KINDS = DEVICE_KINDS + NODE_KINDS
 CONFIG_KINDS = ("none",) + FAULT_KINDS + ("schedule", "random")
 MAIN_THREAD_KINDS = ("stall", "error", "device_error")  # fired where the worker is, never from a timer or outside
+STUCK_ABORT = "stuck_abort"  # not fired at a phase: it blocks the victim's next abort (WorkerFaults.abort_started)
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,8 @@ class FaultSpec:
 
 @dataclass
 class FailureConfig:
-    kind: str = "none"  # none | kill | hang | stall | error | device_error | node_kill | node_hang | schedule | random
+    kind: str = "none"  # none | kill | hang | stall | error | device_error | stuck_abort | node_kill | node_hang
+    #                     | schedule | random
     rank: int = 1
     node: int = 1
     step: int = 5
@@ -111,6 +116,9 @@ def planned_faults(cfg: FailureConfig, *, world: int, nnodes: int = 1) -> list[F
         faults = _random_faults(cfg, world=world, nnodes=nnodes)
     for i, f in enumerate(faults):
         _check_fault(f, key="failure" if kind != "schedule" else f"failure.faults[{i}]", world=world, nnodes=nnodes)
+    if faults and all(f.kind == STUCK_ABORT for f in faults):
+        raise ValueError(f"failure: {STUCK_ABORT} only blocks an abort, and nothing breaks a generation: use "
+                         "failure=schedule with a kill beside it")
     rejoin = cfg.rejoin_after_s
     if rejoin is not None and rejoin < 0:
         raise ValueError(f"failure.rejoin_after_s={rejoin}: use null (never) or a delay ≥ 0")
@@ -121,7 +129,7 @@ def _random_faults(cfg: FailureConfig, *, world: int, nnodes: int) -> list[Fault
     if cfg.mtbf_s <= 0 or cfg.max_faults < 0:
         raise ValueError(f"failure.mtbf_s={cfg.mtbf_s} / failure.max_faults={cfg.max_faults}: must be > 0 and ≥ 0")
     kinds = list(cfg.kinds)
-    timed = [k for k in FAULT_KINDS if k not in MAIN_THREAD_KINDS]
+    timed = [k for k in FAULT_KINDS if k not in (*MAIN_THREAD_KINDS, STUCK_ABORT)]
     if not kinds or any(k not in timed for k in kinds):
         raise ValueError(f"failure.kinds={kinds}: random faults are fired from outside; pick from {', '.join(timed)}")
     rng = random.Random(cfg.seed)
@@ -159,6 +167,9 @@ def _check_fault(f: FaultSpec, *, key: str, world: int, nnodes: int) -> None:
         raise ValueError(f"{key}: step and at_s must be ≥ 0")
     if f.phase in RECOVERY_PHASES + CONTROLLER_PHASES and f.step is None:
         raise ValueError(f"{key}.phase={f.phase} belongs to the recovery resuming at a step: set {key}.step")
+    if f.kind == STUCK_ABORT and (f.phase != "any" or f.at_s is not None):
+        raise ValueError(f"{key}: {STUCK_ABORT} blocks the device's next abort from its step on: set its rank and "
+                         "step only (phase=any, no at_s)")
     if f.phase == "decision" and f.kind != "kill":
         raise ValueError(f"{key}: phase=decision fires from the controller and only kills: use kind=kill")
     if f.kind in MAIN_THREAD_KINDS and (f.phase == "any" or f.at_s is not None):
@@ -256,9 +267,19 @@ class WorkerFaults:
             timer.cancel()
             self._fire(timer.args[0])
 
+    def abort_started(self) -> None:
+        """This device starts aborting a broken generation: an armed ``stuck_abort`` whose step was reached
+        blocks the abort for good (called on the aborting thread)."""
+        step = self.beacon.position().step
+        for f in self._mine:
+            if f.kind == STUCK_ABORT and f not in self._fired and f.step <= step:
+                self._fired.add(f)
+                self._announce(f, self.beacon.position())
+                threading.Event().wait()
+
     def _armed(self) -> list[FaultSpec]:
         node = self._node if self._firer else []
-        return [f for f in self._mine + node if f not in self._fired]
+        return [f for f in self._mine + node if f not in self._fired and f.kind != STUCK_ABORT]
 
     def _fire(self, f: FaultSpec) -> None:
         self._fired.add(f)

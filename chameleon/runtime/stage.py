@@ -15,12 +15,12 @@ from chameleon.model.config import ModelConfig
 from chameleon.model.hf import hf_checkpoint, load_hf
 from chameleon.model.spec import spec_of
 from chameleon.optim import (
-    adamw,
+    adamw_,
     clip_coefficient,
     hyperparameters,
     init_moments,
     learning_rate,
-    scale,
+    scale_,
     schedule_of,
     sum_of_squares,
 )
@@ -131,17 +131,12 @@ class StageState:
             grad_norm: the global gradient norm; with ``train.clip_norm > 0`` the
                 gradients are scaled by :func:`clip_coefficient` first.
         """
-        grads = {n: g for n, g in zip(self.regions, self.grads(list(self.regions)))}
-        factor = clip_coefficient(grad_norm, self.train.clip_norm) if grad_norm is not None else 1.0
-        lr = learning_rate(step, **schedule_of(self.train))
-        self.params, self._leaves = {}, {}
-        # One tensor at a time: the update's transient memory is one tensor's, not the stage's.
-        for name in list(self.regions):
-            one = {kind: {name: self._state[kind].pop(name)} for kind in KINDS}
-            params, moments = adamw(one["param"], scale({name: grads.pop(name)}, factor), one, step + 1, lr=lr,
-                                    **hyperparameters(self.train))
-            for kind, tree in (("param", params), *moments.items()):
-                self._state[kind][name] = tree[name]
+        names = list(self.regions)
+        grads = self.grads(names)
+        scale_(grads, clip_coefficient(grad_norm, self.train.clip_norm) if grad_norm is not None else 1.0)
+        held = {kind: [self._state[kind][n] for n in names] for kind in KINDS}
+        adamw_(held["param"], grads, held["exp_avg"], held["exp_avg_sq"], step + 1,
+               lr=learning_rate(step, **schedule_of(self.train)), **hyperparameters(self.train))
         self._new_step()
 
     def shards(self) -> dict[str, tuple[Region, Tensor]]:

@@ -7,11 +7,12 @@ step, the same on every device, so nothing else is moved. The state stays on its
 device: on an accelerator, sends, receive buffers and new shards live there too.
 
 Rounds run in manifest order. In a round a device packs everything it sends to
-one peer into one buffer and posts one ``isend`` per peer and one ``irecv`` per
-peer; a link appears in a single round, so no tags are needed. The old state is
-only read, never released, until the whole manifest is done.
+one peer into one buffer, and the round's sends and receives go as one batch
+(a pair that sends both ways in a round is one group call on NCCL, which needs
+that); a link appears in a single round, so no tags are needed. The old state
+is only read, never released, until the whole manifest is done.
 
-Sends, receives and waits go through ``links`` (the runtime's
+Batches go through ``links`` (the runtime's
 :class:`~chameleon.runtime.comm.Generation`), whose waits poll for faults: a
 fault abandons the transfer at once, and the caller keeps its old state. Every
 buffer is stamped with the generation it belongs to; a receiver refuses state
@@ -24,7 +25,6 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from chameleon.layout.relayout import Manifest, Move
 from chameleon.layout.spec import Region, local_slices, region_numel, region_shape
@@ -34,13 +34,9 @@ class StaleTransfer(RuntimeError):
     """State arrived stamped with another generation than the receiver's."""
 
 class PointToPoint(Protocol):
-    """Tagged point-to-point ops between devices, and a wait that may raise to abandon."""
+    """A batch of sends and receives between devices, waited for; the wait may raise to abandon."""
 
-    def send(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work: ...
-
-    def recv(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work: ...
-
-    def wait(self, *works: dist.Work, peer: int = ...) -> None: ...
+    def exchange(self, sends: Mapping[int, torch.Tensor], receives: Mapping[int, torch.Tensor]) -> None: ...
 
 
 def execute_manifest(
@@ -113,17 +109,13 @@ def execute_manifest(
         if on_round is not None:
             on_round(r)
         header = torch.tensor([float(stamp)], dtype=dtype, device=device)
-        works, received = [], []
-        for dst, out in outgoing.items():
-            parts = [header] + [_source(state[kind], before, m).reshape(-1) for m in out for kind in kinds]
-            works.append(links.send(torch.cat(parts), dst))
+        sends = {dst: torch.cat([header] + [_source(state[kind], before, m).reshape(-1) for m in out for kind in kinds])
+                 for dst, out in outgoing.items()}
+        receives = {src: torch.empty(1 + sum(region_numel(m.region) for m in into) * len(kinds), dtype=dtype,
+                                     device=device) for src, into in incoming.items()}
+        links.exchange(sends, receives)
         for src, into in incoming.items():
-            buffer = torch.empty(1 + sum(region_numel(m.region) for m in into) * len(kinds), dtype=dtype, device=device)
-            works.append(links.recv(buffer, src))
-            received.append((buffer, src, into))
-        for work, peer in zip(works, [*outgoing, *(src for _, src, _ in received)]):
-            links.wait(work, peer=peer)
-        for buffer, src, into in received:
+            buffer = receives[src]
             if buffer[0].item() != stamp:
                 raise StaleTransfer(f"device {src} sent state stamped generation {buffer[0].item():g}, not {stamp}")
             offset = 1

@@ -40,7 +40,6 @@ import torch
 from chameleon.config import Config
 from chameleon.data.stream import Streams, evaluation_due, open_streams
 from chameleon.layout.geometry import geometry_of, sync_rounds, writers
-from chameleon.layout.plan import Plan
 from chameleon.layout.schedule import executors, step_actions
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
@@ -48,6 +47,7 @@ from chameleon.runtime import codec
 from chameleon.runtime.beacon import Beacon
 from chameleon.runtime.checkpoint import CheckpointWriter, checkpoint_root, latest_checkpoint, load_regions
 from chameleon.runtime.comm import ABANDONED, BACKENDS, Generation, PeerFailure, connect_store, store_ops
+from chameleon.runtime.completion import apply_library_policy
 from chameleon.runtime.device import is_device_fault, prepare_device
 from chameleon.runtime.downlink import Inbox
 from chameleon.runtime.errors import ControllerLost
@@ -186,7 +186,9 @@ def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> Non
     cfg, me = spec.config, spec.device
     launcher, train = cfg.launcher, cfg.train
     torch.set_num_threads(launcher.threads_per_worker)
-    device = prepare_device(launcher.device, local_rank=me % spec.nproc_per_node)
+    backend = launcher.backend or BACKENDS[launcher.device]
+    device = prepare_device(launcher.device, local_rank=me % spec.nproc_per_node, own_device=backend != "gloo")
+    apply_library_policy(backend)
     model = cfg.model
     rendezvous = partial(connect_store, spec.store_host, spec.store_port, timeout_s=launcher.timeout_s)
     pushed = _Pushed(inbox)
@@ -212,11 +214,11 @@ def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> Non
         try:
             faults.phase("rebuild", step=resume)
             gen = Generation(
-                connect_store=rendezvous, generation=generation, me=me,
-                backend=launcher.backend or BACKENDS[launcher.device], timeout_s=launcher.timeout_s,
+                connect_store=rendezvous, generation=generation, me=me, backend=backend, timeout_s=launcher.timeout_s,
                 groups=plan_groups(model, gen_spec), flagged=partial(inbox.flagged, generation), host=spec.node_addr,
                 confirm_s=confirm_s, beacon=beacon, reuse=previous,
-                on_connect=partial(faults.phase, "rebuild", step=resume, detail=1),
+                on_connect=partial(faults.phase, "rebuild", step=resume, detail=1), device=device,
+                abort_s=cfg.ft.abort_timeout_s,
             )
             previous = None
             established = _establish(gen_spec, state, gen=gen, model=model, cfg=cfg, device=device, faults=faults)
@@ -230,7 +232,7 @@ def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> Non
             if state is not None:
                 state.discard_gradients()
             if gen is not None:
-                gen.abandon()
+                gen.abandon(before_abort=faults.abort_started)
             previous = None
             generation += 1
             continue
