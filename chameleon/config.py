@@ -20,6 +20,7 @@ from chameleon.decision.config import ClusterConfig, PlanQueryConfig, PolicyConf
 from chameleon.layout.plan import Plan, PlanError, even_plan, plan_from_spec
 from chameleon.runtime.faults import FailureConfig, planned_faults
 from chameleon.model.config import ModelConfig
+from chameleon.model.spec import RECOMPUTE
 from chameleon.sim.config import SimConfig, TraceConfig
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -52,6 +53,8 @@ class TrainConfig:
     eps: float = 1e-8
     seed: int = 0
     dtype: str = "fp32"  # fp32 | bf16 (bf16 compute; fp32 master weights, gradients and AdamW moments)
+    # Activation recomputation: none | selective (the attention core, in backward) | full (each layer from its input)
+    recompute: str = "none"
     clip_norm: float = 1.0  # clip the global gradient norm (over the whole plan) to this; 0 disables
     lr_schedule: str = "cosine"  # constant | cosine (by global step, after the linear warm-up)
     warmup_steps: int = 10
@@ -415,6 +418,7 @@ def _check_training_keys(cfg: DictConfig) -> None:
 
     train = cfg.train
     _check(train.dtype in ("fp32", "bf16"), f"train.dtype={train.dtype!r}: use fp32 or bf16")
+    _check(train.recompute in RECOMPUTE, f"train.recompute={train.recompute!r}: use {', '.join(RECOMPUTE)}")
     _check(train.clip_norm >= 0, f"train.clip_norm={train.clip_norm}: use 0 (off) or a positive norm")
     _check(train.lr_schedule in ("constant", "cosine"), f"train.lr_schedule={train.lr_schedule!r}: use constant or cosine")
     _check(train.warmup_steps >= 0, f"train.warmup_steps={train.warmup_steps}: must be ≥ 0")
@@ -474,7 +478,7 @@ def _check_memory(cfg: DictConfig, plan: Plan) -> None:
 
     model = model_config(cfg)
     costs = spec_of(model).memory_costs(model, micro_batch=plan.micro_batch_size, seq_len=cfg.train.seq_len,
-                         dtype=cfg.train.dtype)
+                                        dtype=cfg.train.dtype, recompute=cfg.train.recompute)
     need = plan_memory(costs, plan)
     try:
         per_device, total = device_memory_bytes(cfg.launcher)
@@ -489,5 +493,6 @@ def _check_memory(cfg: DictConfig, plan: Plan) -> None:
         f"{sum(need.values()) / gib:.1f} GiB over {len(need)} devices, but launcher.device={cfg.launcher.device} "
         f"offers {per_device / gib:.1f} GiB per device and {total / gib:.1f} GiB in all: shrink the model by "
         "override (e.g. model.n_layers=4 model.dim=256 model.n_heads=4 model.n_kv_heads=4 train.seq_len=128), "
+        f"{'' if cfg.train.recompute == 'full' else 'keep fewer activations (train.recompute=full), '}"
         "or plan and simulate it instead (python -m chameleon.plan / python -m chameleon.simulate)"
     )

@@ -77,7 +77,8 @@ def report(cfg: DictConfig) -> str:
     query = typed(cfg, "plan", PlanQueryConfig)
     model = model_config(cfg)
     plan = build_plan(cfg)
-    profile = load_profile(model, cluster, micro_batch=cfg.train.micro_batch, seq_len=cfg.train.seq_len, tp=cfg.parallel.tp)
+    profile = load_profile(model, cluster, micro_batch=cfg.train.micro_batch, seq_len=cfg.train.seq_len, tp=cfg.parallel.tp,
+                           recompute=cfg.train.recompute)
     planner = Planner(profile, dp_degrees=tuple(policy.dp_degrees), pp_lengths=tuple(policy.pp_lengths))
     decision = decide(
         profile, plan, set(query.failed), policy=policy, planner=planner, fault_times=query.fault_times_s,

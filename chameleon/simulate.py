@@ -111,7 +111,8 @@ def prepare(cfg: DictConfig) -> tuple[Setup, tuple[Event, ...], float, SimConfig
     """
     sim, trace = typed(cfg, "sim", SimConfig), typed(cfg, "trace", TraceConfig)
     cluster, policy = typed(cfg, "cluster", ClusterConfig), typed(cfg, "policy", PolicyConfig)
-    profile = load_profile(model_config(cfg), cluster, micro_batch=cfg.train.micro_batch, seq_len=cfg.train.seq_len, tp=cfg.parallel.tp)
+    profile = load_profile(model_config(cfg), cluster, micro_batch=cfg.train.micro_batch, seq_len=cfg.train.seq_len, tp=cfg.parallel.tp,
+                           recompute=cfg.train.recompute)
     planning = Planning(profile, policy)
     units = tp_units(range(cluster.n_devices), cfg.parallel.tp)
     n_micro = cfg.train.global_batch // cfg.train.micro_batch

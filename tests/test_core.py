@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from chameleon.config import CONF_DIR, build_plan, register_configs, to_config, validate
+from chameleon.config import CONF_DIR, build_plan, pipelines_allowed, register_configs, to_config, validate
 from chameleon.decision.profiler import load_profile
 from chameleon.runtime.beacon import Position
 from chameleon.runtime.core import (
@@ -283,3 +283,16 @@ def test_returning_devices_grow_the_job_at_a_step_boundary():
     pushed = [type(e.message).__name__ for e in out if isinstance(e, Broadcast)]
     assert pushed.index("Publish") < pushed.index("Commit"), "the grown generation exists before the switch"
     assert set(core.spec.devices) == {0, 1, 2, 3} and core.spec.resume_step == 5
+
+
+@pytest.mark.parametrize(("device", "backend", "lengths"), [("cpu", None, (1, 2, 3, 4)), ("cuda", "gloo", (1, 2, 3, 4)),
+                                                           ("cuda", None, (1,)), ("npu", None, (1,))])
+def test_recovery_plans_pipeline_only_over_a_backend_that_can(device, backend, lengths):
+    """NCCL's and HCCL's sends block until matched and 1F1B is not batched for them: no re-plan may pipeline."""
+    cfg, plan = config("parallel.dp=4", "parallel.pp=1")
+    cfg.launcher.device, cfg.launcher.backend = device, backend  # as validated on a host with that device
+    profile = load_profile(cfg.model, cfg.cluster, micro_batch=2, seq_len=cfg.train.seq_len, tp=1)
+    core = Core(cfg, plan=plan, profile=profile, run_dir="/run", store_port=1234, ckpt_root=Path("/run/ckpt"),
+                saved=None, faults=[], fired=[], planner=Inline(), clock=FakeClock())
+    assert core.planner_.lengths == lengths
+    assert pipelines_allowed(cfg.launcher) == (lengths != (1,))

@@ -3,7 +3,7 @@
 A :class:`Profile` is the estimator's only input about hardware. ``kind=local``
 measures this machine for real — per-layer forward/backward time of the model
 spec's ``stage_forward`` (:mod:`chameleon.model.spec`), the embedding and head extras, the
-bytes autograd saves, an AdamW step (:func:`chameleon.optim.adamw`), and gloo
+bytes a forward keeps for its backward, an AdamW step (:func:`chameleon.optim.adamw`), and gloo
 point-to-point, all-reduce and group-creation costs with a few real processes —
 and caches the result as JSON.
 ``kind=analytic`` derives the same fields from datasheet figures and the spec's
@@ -21,10 +21,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from chameleon.decision.config import ClusterConfig
 from chameleon.layout.geometry import ELEMENT_BYTES, StateBytes, UnitParams, state_bytes
@@ -84,6 +89,8 @@ class Profile:
     background_procs: float = 0.0
     commit_s: float = 0.0  # a step's commit round trip: a report up to the controller and its answer down (see profile_comm)
     shadow_bytes_per_param: float = 0.0  # another stage's state also kept per parameter (a simulated Bamboo's shadow)
+    recompute: str = "none"  # train.recompute the layer costs were taken under (backward times include it)
+    layer_rebuilt_bytes: int = 0  # what a layer's backward rebuilds at once under recompute (one micro-batch)
 
     @property
     def state(self) -> StateBytes:
@@ -99,43 +106,49 @@ class Profile:
     def memory_costs(self) -> MemoryCosts:
         """This profile's stage parts for :func:`chameleon.layout.memory.plan_memory` (layer activations made whole)."""
         acts = UnitParams(self.layer_act_bytes * self.tp, self.first_act_bytes, self.last_act_bytes)
-        return MemoryCosts(self.units, acts, self.state.resident + self.shadow_bytes_per_param)
+        return MemoryCosts(self.units, acts, self.state.resident + self.shadow_bytes_per_param,
+                           layer_rebuilt=self.layer_rebuilt_bytes * self.tp)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-PROFILE_FORMAT = 3  # bumped whenever what a profile measures changes, so older cached profiles are measured anew
+PROFILE_FORMAT = 4  # bumped whenever what a profile measures changes, so older cached profiles are measured anew
 
 
-def profile_key(model: ModelConfig, *, micro_batch: int, seq_len: int, tp: int, device: str) -> str:
-    """The cache key: the profile format, architecture and shape, micro-batch, sequence length, device and torch version."""
+def profile_key(model: ModelConfig, *, micro_batch: int, seq_len: int, tp: int, device: str, recompute: str = "none") -> str:
+    """The cache key: the profile format, architecture and shape, micro-batch, sequence length, recomputation,
+    device and torch version."""
     shape = (
         f"{model.arch}-d{model.dim}-L{model.n_layers}-h{model.n_heads}-kv{model.n_kv_heads}-v{model.vocab_size}"
         f"-f{model.ffn_hidden_dim}"
     )
-    return f"v{PROFILE_FORMAT}_{shape}_mb{micro_batch}_s{seq_len}_tp{tp}_{device}_torch{torch.__version__}"
+    recomputed = "" if recompute == "none" else f"_rc{recompute}"
+    return f"v{PROFILE_FORMAT}_{shape}_mb{micro_batch}_s{seq_len}{recomputed}_tp{tp}_{device}_torch{torch.__version__}"
 
 
 def load_profile(
-    model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, tp: int = 1, threads: int = 1
+    model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, tp: int = 1, threads: int = 1,
+    recompute: str = "none",
 ) -> Profile:
     """The profile for ``cluster``: analytic, or measured here and cached by :func:`profile_key`.
 
     ``threads`` is the torch thread count of one worker (``launcher.threads_per_worker``);
-    a local measurement runs with it, as the workers will.
+    a local measurement runs with it, as the workers will. ``recompute`` is ``train.recompute``.
     """
     if cluster.kind == "analytic":
-        return analytic_profile(model, cluster, micro_batch=micro_batch, seq_len=seq_len, tp=tp)
+        return analytic_profile(model, cluster, micro_batch=micro_batch, seq_len=seq_len, tp=tp, recompute=recompute)
     if cluster.kind != "local":
         raise ValueError(f"cluster.kind={cluster.kind!r}: use local or analytic")
-    key = profile_key(model, micro_batch=micro_batch, seq_len=seq_len, tp=1, device=f"cpu{threads}t-{cluster.name}")
+    key = profile_key(model, micro_batch=micro_batch, seq_len=seq_len, tp=1, device=f"cpu{threads}t-{cluster.name}",
+                      recompute=recompute)
     path = Path(os.path.expanduser(cluster.cache_dir)) / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     if data.get("key") == key:
         profile = Profile(**data)
     else:
-        profile = measure_profile(model, cluster, micro_batch=micro_batch, seq_len=seq_len, key=key, threads=threads)
+        profile = measure_profile(model, cluster, micro_batch=micro_batch, seq_len=seq_len, key=key, threads=threads,
+                                  recompute=recompute)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(profile.to_dict(), indent=1))
     return with_tensor_parallel(profile, tp) if tp > 1 else profile
@@ -150,31 +163,37 @@ def with_tensor_parallel(profile: Profile, tp: int) -> Profile:
     embedding and output head are replicated, so their costs stay whole.
     """
     all_reduce = profile.dp_latency_s + 2 * (tp - 1) / tp * profile.boundary_bytes / profile.dp_bw
+    rerun = 2 if profile.recompute == "full" else 0  # a recomputed layer's backward reruns its forward's two
     return replace(
         profile,
         key=f"{profile.key}_tp{tp}",
         tp=tp,
         layer_fwd_s=profile.layer_fwd_s / tp + 2 * all_reduce,
-        layer_bwd_s=profile.layer_bwd_s / tp + 2 * all_reduce,
+        layer_bwd_s=profile.layer_bwd_s / tp + (2 + rerun) * all_reduce,
         layer_act_bytes=profile.layer_act_bytes // tp,
+        layer_rebuilt_bytes=profile.layer_rebuilt_bytes // tp,
     )
 
 
-def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, tp: int) -> Profile:
+def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, tp: int,
+                     recompute: str = "none") -> Profile:
     """A profile from datasheet figures.
 
     Forward FLOPs per token come from the model spec (a dense decoder such as Llama:
     ``2·P + 2·s·dim`` a layer), backward twice that, at the peak of ``cluster.dtype``.
-    Activations assume flash attention (no ``s×s`` scores kept) in that dtype; the
+    Activations assume a fused attention kernel (no ``s×s`` scores kept) in that dtype; the
     head keeps fp32 logits. The optimizer step streams the weight, gradient and
-    moments in and the weight, moments and compute copy out.
+    moments in and the weight, moments and compute copy out. Under ``recompute`` a layer keeps
+    less and its backward reruns its share of the forward (:meth:`~chameleon.model.spec.ModelSpec.recompute_share`).
     """
     spec = spec_of(model)
     layer_p, first_p, last_p = spec.unit_params(model)
     tokens = micro_batch * seq_len
     rate = cluster.peak_tflops * 1e12 * cluster.mfu * tp
     layer_fwd, first_fwd, head_fwd = (flops * tokens / rate for flops in spec.forward_flops(model, seq_len, layer_p))
-    act_elems = spec.activation_elems(model, micro_batch=micro_batch, seq_len=seq_len, flash=True)
+    act_elems, rebuilt_elems = spec.layer_activations(model, micro_batch=micro_batch, seq_len=seq_len,
+                                                      recompute=recompute)
+    rerun = spec.recompute_share(model, seq_len, recompute)
     n_nodes = -(-cluster.n_devices // cluster.devices_per_node)
     dp_gbps = cluster.inter_gbps if n_nodes > 1 else cluster.intra_gbps
     if cluster.memory_gb is None:
@@ -183,14 +202,14 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
         raise ValueError(f"cluster.dtype={cluster.dtype!r}: use one of {sorted(ELEMENT_BYTES)}")
     elem, state = ELEMENT_BYTES[cluster.dtype], state_bytes(cluster.dtype)
     return Profile(
-        key=profile_key(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp, device=cluster.name),
+        key=profile_key(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp, device=cluster.name, recompute=recompute),
         source=f"analytic {cluster.name}: {cluster.peak_tflops} TFLOP/s × {cluster.mfu}",
         n_layers=model.n_layers,
         micro_batch=micro_batch,
         seq_len=seq_len,
         tp=tp,
         layer_fwd_s=layer_fwd,
-        layer_bwd_s=2 * layer_fwd,
+        layer_bwd_s=(2 + rerun) * layer_fwd,
         first_fwd_s=first_fwd,
         first_bwd_s=2 * first_fwd,
         last_fwd_s=head_fwd,
@@ -200,6 +219,8 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
         last_params=last_p,
         dtype=cluster.dtype,
         layer_act_bytes=act_elems * elem // tp,
+        layer_rebuilt_bytes=rebuilt_elems * elem // tp,
+        recompute=recompute,
         first_act_bytes=0,
         last_act_bytes=tokens * model.vocab_size * ELEMENT_BYTES["fp32"],  # the head is replicated
         boundary_bytes=tokens * model.dim * elem,
@@ -229,22 +250,42 @@ def _timed(fn, *, warmup: int = 2, reps: int = 5) -> float:
     return min(samples)
 
 
-def _fwd_bwd(model: ModelConfig, params: dict, x, targets, *, layers, first, last) -> tuple[float, float, int]:
-    """Fastest forward and backward seconds of one stage call, and the bytes autograd saved."""
-    saved: dict[int, int] = {}
+class KeptStorages(TorchDispatchMode):
+    """Records every storage the ops under it create; :meth:`alive` sums those still alive afterwards.
 
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+    Run over a forward, that is what autograd (and recomputation's checkpoints) keep for the
+    backward: the activations, whatever mechanism holds them.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._made: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self._made.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+        return out
+
+    def alive(self, *, besides: Iterable[Tensor] = ()) -> int:
+        """Bytes of the recorded storages still alive, those of ``besides`` left out."""
+        left_out = {t.untyped_storage().data_ptr() for t in besides}
+        return sum(n for ptr, (ref, n) in self._made.items() if ptr not in left_out and not ref.expired())
+
+
+def _fwd_bwd(model: ModelConfig, params: dict, x, targets, *, layers, first, last,
+             recompute: str = "none") -> tuple[float, float, int]:
+    """Fastest forward and backward seconds of one stage call, and the bytes its forward kept for backward."""
 
     def forward():
-        return spec_of(model).stage_forward(params, model, x, layers=layers, first=first, last=last, targets=targets)
+        return spec_of(model).stage_forward(params, model, x, layers=layers, first=first, last=last, targets=targets,
+                                            recompute=recompute)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with KeptStorages() as kept:
         out = forward()
-    for p in params.values():
-        saved.pop(p.untyped_storage().data_ptr(), None)
-    saved.pop(x.untyped_storage().data_ptr(), None)
+    kept_bytes = kept.alive(besides=(out, x, *params.values()))
     grad = torch.ones_like(out)
     fwd = _timed(forward)
     outs = [forward() for _ in range(7)]
@@ -253,29 +294,34 @@ def _fwd_bwd(model: ModelConfig, params: dict, x, targets, *, layers, first, las
         start = time.process_time()
         o.backward(grad)
         samples.append(time.process_time() - start)
-    return fwd, min(samples[2:]), sum(saved.values())
+    return fwd, min(samples[2:]), kept_bytes
 
 
 def measure_profile(
-    model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, key: str, threads: int = 1
+    model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, key: str, threads: int = 1,
+    recompute: str = "none",
 ) -> Profile:
     """Time the real model on this CPU with ``threads`` torch threads; gloo costs with ``cluster.comm_procs`` processes."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _measure(model, cluster, micro_batch=micro_batch, seq_len=seq_len, key=key)
+        return _measure(model, cluster, micro_batch=micro_batch, seq_len=seq_len, key=key, recompute=recompute)
     finally:
         torch.set_num_threads(before)
 
 
-def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, key: str) -> Profile:
+def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, key: str,
+             recompute: str) -> Profile:
     torch.manual_seed(0)
     spec = spec_of(model)
     names = spec.stage_param_names(model, (0, 1), first=True, last=True)
     params = {n: t.requires_grad_() for n, t in spec.init_params(model, 0, names=names).items()}
     tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))
     hidden = torch.randn(micro_batch, seq_len, model.dim, requires_grad=True)
-    layer_f, layer_b, layer_act = _fwd_bwd(model, params, hidden, None, layers=(0, 1), first=False, last=False)
+    layer_f, layer_b, layer_act = _fwd_bwd(model, params, hidden, None, layers=(0, 1), first=False, last=False,
+                                           recompute=recompute)
+    whole = layer_act if recompute == "none" else \
+        _fwd_bwd(model, params, hidden, None, layers=(0, 1), first=False, last=False)[2]
     first_f, first_b, first_act = _fwd_bwd(model, params, tokens, None, layers=(0, 0), first=True, last=False)
     last_f, last_b, last_act = _fwd_bwd(model, params, hidden, tokens, layers=(1, 1), first=False, last=True)
     layer_p, first_p, last_p = spec.unit_params(model)
@@ -304,6 +350,8 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
         last_params=last_p,
         dtype="fp32",
         layer_act_bytes=layer_act,
+        layer_rebuilt_bytes=whole - layer_act,
+        recompute=recompute,
         first_act_bytes=first_act,
         last_act_bytes=last_act,
         boundary_bytes=micro_batch * seq_len * model.dim * ELEMENT_BYTES["fp32"],

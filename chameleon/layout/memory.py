@@ -7,7 +7,8 @@ element of the state come from :class:`chameleon.layout.geometry.StateBytes`.
 A stage keeps its parameters, their gradients and optimizer state, plus the
 activations of the micro-batches in flight under 1F1B: ``min(n_stages − s, m)``
 on stage ``s`` of a pipeline with ``m`` micro-batches, more on a reroute host,
-which also keeps those of every pipeline it serves. What one device of a stage
+which also keeps those of every pipeline it serves. Under activation recomputation
+a layer keeps less, and its backward rebuilds the rest for one layer at a time. What one device of a stage
 holds is the geometry's (:func:`chameleon.layout.geometry.per_device`): a shard of
 each transformer layer, the embedding and the head whole.
 """
@@ -28,19 +29,22 @@ class MemoryCosts:
     stage) and the head (last stage); ``acts`` the bytes of activations each keeps
     per micro-batch until its backward; ``state_bytes_per_param`` what a device keeps
     per parameter it holds (:attr:`~chameleon.layout.geometry.StateBytes.resident`,
-    plus any redundant copy a simulated baseline keeps).
+    plus any redundant copy a simulated baseline keeps); ``layer_rebuilt`` the bytes a
+    layer's backward rebuilds at once under recomputation (one micro-batch, one layer).
     """
 
     params: UnitParams
     acts: UnitParams
     state_bytes_per_param: float
+    layer_rebuilt: float = 0.0
 
 
 def stage_memory(costs: MemoryCosts, n_layers: int, *, first: bool, last: bool, in_flight: int, tp: int = 1) -> float:
     """Bytes one device of a ``tp``-wide stage needs with ``in_flight`` micro-batches of activations."""
     params = per_device(costs.params, n_layers, first=first, last=last, tp=tp)
     acts = per_device(costs.acts, n_layers, first=first, last=last, tp=tp)
-    return params * costs.state_bytes_per_param + in_flight * acts
+    rebuilt = costs.layer_rebuilt / tp if n_layers else 0.0
+    return params * costs.state_bytes_per_param + in_flight * acts + rebuilt
 
 
 def plan_memory(costs: MemoryCosts, plan: Plan) -> dict[int, float]:

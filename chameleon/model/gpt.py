@@ -34,6 +34,7 @@ from chameleon.model.spec import (
     compute_dtype,
     head_output,
     parallel_block,
+    recomputed_layer,
 )
 
 INIT_STD = 0.02
@@ -125,6 +126,16 @@ def _mlp(params: dict[str, Tensor], prefix: str, x: Tensor) -> Tensor:
     return hidden @ params[prefix + "w2.weight"].T
 
 
+def _layer(params: dict[str, Tensor], cfg: ModelConfig, p: str, tp: TensorParallelOps | None, h: Tensor) -> Tensor:
+    """One pre-LayerNorm block: attention, then the GELU MLP, each added (with its output bias) to the residual."""
+    attn_in = _layer_norm(params, p + "attention_norm", h, cfg.norm_eps)
+    h = h + parallel_block(partial(_attention, params, cfg.head_dim, p + "attention."), attn_in, tp)
+    h = h + params[p + "attention.wo.bias"]
+    mlp_in = _layer_norm(params, p + "ffn_norm", h, cfg.norm_eps)
+    h = h + parallel_block(partial(_mlp, params, p + "feed_forward."), mlp_in, tp)
+    return h + params[p + "feed_forward.w2.bias"]
+
+
 def stage_forward(
     params: dict[str, Tensor],
     cfg: ModelConfig,
@@ -135,6 +146,7 @@ def stage_forward(
     last: bool,
     targets: Tensor | None = None,
     tp: TensorParallelOps | None = None,
+    recompute: str = "none",
 ) -> Tensor:
     """Runs one pipeline stage: optional embedding, layers ``[start, stop)``, optional head.
 
@@ -148,24 +160,19 @@ def stage_forward(
         raise ValueError("targets are only accepted by the last stage")
     h = F.embedding(x, params["tok_embeddings"]) + params["pos_embeddings"][: x.shape[1]] if first else x
     for i in range(*layers):
-        p = f"layers.{i}."
-        attn_in = _layer_norm(params, p + "attention_norm", h, cfg.norm_eps)
-        h = h + parallel_block(partial(_attention, params, cfg.head_dim, p + "attention."), attn_in, tp)
-        h = h + params[p + "attention.wo.bias"]
-        mlp_in = _layer_norm(params, p + "ffn_norm", h, cfg.norm_eps)
-        h = h + parallel_block(partial(_mlp, params, p + "feed_forward."), mlp_in, tp)
-        h = h + params[p + "feed_forward.w2.bias"]
+        h = recomputed_layer(partial(_layer, params, cfg, f"layers.{i}.", tp), h, recompute)
     if not last:
         return h
     return head_output(_layer_norm(params, "norm", h, cfg.norm_eps) @ params["output"].T, targets)
 
 
-def activation_elems(cfg: ModelConfig, *, micro_batch: int, seq_len: int, flash: bool) -> int:
+def activation_elems(cfg: ModelConfig, *, micro_batch: int, seq_len: int, recompute: str = "none") -> int:
     """Elements one block keeps for backward per micro-batch: per token its two norms' inputs and outputs,
-    q/k/v, the attention output and the MLP's hidden units before and after GELU (``16·dim``), plus the
-    attention probabilities (``heads · seq²``) unless ``flash``."""
-    probs = 0 if flash else micro_batch * cfg.n_heads * seq_len * seq_len
-    return micro_batch * seq_len * 16 * cfg.dim + probs
+    q/k/v, the attention output and the MLP's hidden units before and after GELU (``16·dim``; the fused
+    attention kernel keeps no probabilities). Under ``selective`` recomputation: the outputs of its matmuls
+    and attention (q, k, v, attention, wo, w1, w2: ``10·dim``); under ``full``: its input."""
+    tokens = micro_batch * seq_len
+    return tokens * cfg.dim * {"none": 16, "selective": 10, "full": 1}[recompute]
 
 
 TP_RULES: Rules = (

@@ -29,6 +29,7 @@ from chameleon.model.spec import (
     compute_dtype,
     head_output,
     parallel_block,
+    recomputed_layer,
 )
 
 INIT_STD = 0.02
@@ -188,6 +189,15 @@ def _feed_forward(params: dict[str, Tensor], prefix: str, x: Tensor) -> Tensor:
     return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
 
 
+def _layer(params: dict[str, Tensor], cfg: ModelConfig, p: str, rotary: tuple[Tensor, Tensor],
+           tp: TensorParallelOps | None, h: Tensor) -> Tensor:
+    """One pre-norm block: attention, then the SwiGLU MLP, each added to the residual stream."""
+    attn_in = _rms_norm(h, params[p + "attention_norm"], cfg.norm_eps)
+    h = h + parallel_block(functools.partial(_attention, params, cfg, p + "attention.", rotary), attn_in, tp)
+    ffn_in = _rms_norm(h, params[p + "ffn_norm"], cfg.norm_eps)
+    return h + parallel_block(functools.partial(_feed_forward, params, p + "feed_forward."), ffn_in, tp)
+
+
 def stage_forward(
     params: dict[str, Tensor],
     cfg: ModelConfig,
@@ -198,6 +208,7 @@ def stage_forward(
     last: bool,
     targets: Tensor | None = None,
     tp: TensorParallelOps | None = None,
+    recompute: str = "none",
 ) -> Tensor:
     """Runs one pipeline stage: optional embedding, layers ``[start, stop)``, optional head.
 
@@ -218,6 +229,7 @@ def stage_forward(
         last: Apply the final norm and the output projection.
         targets: Int64 ``[b, s]`` next tokens; only with ``last``.
         tp: Tensor-parallel collectives when ``params`` are shards; None means none.
+        recompute: Activation recomputation (:data:`~chameleon.model.spec.RECOMPUTE`).
 
     Returns:
         Hidden states ``[b, s, dim]`` if not ``last``; else logits ``[b, s, vocab]``, or,
@@ -233,28 +245,27 @@ def stage_forward(
         h.shape[1], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_params, str(h.device), compute_dtype(h.dtype)
     )
     for i in range(*layers):
-        p = f"layers.{i}."
-        attn_in = _rms_norm(h, params[p + "attention_norm"], cfg.norm_eps)
-        h = h + parallel_block(functools.partial(_attention, params, cfg, p + "attention.", rotary), attn_in, tp)
-        ffn_in = _rms_norm(h, params[p + "ffn_norm"], cfg.norm_eps)
-        h = h + parallel_block(functools.partial(_feed_forward, params, p + "feed_forward."), ffn_in, tp)
+        h = recomputed_layer(functools.partial(_layer, params, cfg, f"layers.{i}.", rotary, tp), h, recompute)
     if not last:
         return h
     return head_output(_rms_norm(h, params["norm"], cfg.norm_eps) @ params["output"].T, targets)
 
 
-def activation_elems(cfg: ModelConfig, *, micro_batch: int, seq_len: int, flash: bool) -> int:
+def activation_elems(cfg: ModelConfig, *, micro_batch: int, seq_len: int, recompute: str = "none") -> int:
     """Elements one block keeps for backward per micro-batch.
 
-    The math SDPA path keeps the inputs of the norms, q/k/v/o and SwiGLU branches and the
-    attention probabilities (``heads · seq²``); with flash attention (the analytic
-    profile's accelerators) no probabilities are kept.
+    Without recomputation: the inputs of the norms, q/k/v/o and the SwiGLU branches, under a fused
+    attention kernel (flash or memory-efficient, on CPUs as on GPUs), which keeps no ``s²``
+    probabilities. Under ``selective`` recomputation: the outputs of its matmuls and attention (q, k,
+    v, attention, wo, w1, w3, w2); under ``full``: only its input.
     """
     tokens = micro_batch * seq_len
     kv_dim = cfg.n_kv_heads * cfg.head_dim
-    if flash:
-        return tokens * (5 * cfg.dim + 2 * kv_dim + 4 * cfg.ffn_hidden_dim)
-    return tokens * (8 * cfg.dim + 2 * kv_dim + 3 * cfg.ffn_hidden_dim) + micro_batch * cfg.n_heads * seq_len * seq_len
+    if recompute == "full":
+        return tokens * cfg.dim
+    if recompute == "selective":
+        return tokens * (4 * cfg.dim + 2 * kv_dim + 2 * cfg.ffn_hidden_dim)
+    return tokens * (5 * cfg.dim + 2 * kv_dim + 4 * cfg.ffn_hidden_dim)
 
 
 TP_RULES: Rules = (

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from chameleon.layout.geometry import ELEMENT_BYTES, UnitParams, state_bytes
 from chameleon.layout.memory import MemoryCosts
@@ -110,6 +111,33 @@ def head_output(logits: Tensor, targets: Tensor | None) -> Tensor:
     )
 
 
+RECOMPUTE = ("none", "selective", "full")
+"""``train.recompute``: keep every activation; keep a layer's matmul and attention outputs and recompute
+its element-wise ops (norms, rotations, activations) in backward; or keep only each layer's input and
+recompute the whole layer."""
+SAVED_BY_SELECTIVE = frozenset(
+    getattr(torch.ops.aten, name).default for name in (
+        "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    )
+)
+
+
+def _selective(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recomputed_layer(layer: Callable[[Tensor], Tensor], h: Tensor, recompute: str) -> Tensor:
+    """``layer(h)`` under ``recompute`` (:data:`RECOMPUTE`) while autograd records: ``full`` keeps only ``h`` and
+    reruns the layer in backward; ``selective`` also keeps its matmul and attention outputs (op-level
+    selective checkpointing) and reruns the rest."""
+    if recompute == "none" or not torch.is_grad_enabled():
+        return layer(h)
+    if recompute == "full":
+        return checkpoint(layer, h, use_reentrant=False)
+    return checkpoint(layer, h, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, _selective))
+
+
 def dense_decoder_flops(cfg: ModelConfig, seq_len: int, layer_params: int) -> tuple[float, float, float]:
     """A dense decoder's forward FLOPs per token: ``2·P + 2·s·dim`` a layer of ``P`` parameters at
     context ``s``, 0 the embedding (a lookup), ``2·vocab·dim`` the head."""
@@ -130,11 +158,12 @@ class ModelSpec:
         stage_param_names: ``(cfg, (start, stop), *, first, last) -> names`` a stage owns;
             ``first`` embeds, ``last`` holds the final norm and the head.
         init_rule: ``(cfg, name) -> (mean, std)`` of a tensor's initial values (std 0: a constant).
-        stage_forward: ``(params, cfg, x, *, layers, first, last, targets=None, tp=None)``:
-            tokens or hidden states in; hidden states, logits or the summed loss out.
+        stage_forward: ``(params, cfg, x, *, layers, first, last, targets=None, tp=None, recompute="none")``:
+            tokens or hidden states in; hidden states, logits or the summed loss out (``recompute``:
+            one of :data:`RECOMPUTE`, each layer through :func:`recomputed_layer`).
         tp_rules: Full-name regex → DTensor placements on a stage's 1-D TP mesh, first match wins.
-        activation_elems: ``(cfg, *, micro_batch, seq_len, flash) -> elements`` one layer
-            keeps for backward per micro-batch (``flash``: no attention probabilities kept).
+        activation_elems: ``(cfg, *, micro_batch, seq_len, recompute="none") -> elements`` one layer
+            keeps for backward per micro-batch (under a fused attention kernel: no ``s²`` probabilities).
         tp_ops: Builds the :class:`TensorParallelOps` from the runtime's all-reduce (Megatron's).
         forward_flops: ``(cfg, seq_len, layer_params) -> (layer, first, last)`` forward FLOPs per
             token of one layer at context ``seq_len``, of the first stage's embedding and of the
@@ -233,18 +262,32 @@ class ModelSpec:
         last = count(self.stage_param_names(cfg, (0, 0), first=False, last=True))
         return UnitParams(layer, first, last)
 
-    def memory_costs(self, cfg: ModelConfig, *, micro_batch: int, seq_len: int, dtype: str = "fp32") -> MemoryCosts:
+    def layer_activations(self, cfg: ModelConfig, *, micro_batch: int, seq_len: int,
+                          recompute: str = "none") -> tuple[int, int]:
+        """Elements one layer keeps per micro-batch until its backward under ``recompute``, and those its
+        backward rebuilds at once (one layer's worth: what it would have kept, less what it kept)."""
+        kept = self.activation_elems(cfg, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute)
+        return kept, self.activation_elems(cfg, micro_batch=micro_batch, seq_len=seq_len) - kept
+
+    def recompute_share(self, cfg: ModelConfig, seq_len: int, recompute: str) -> float:
+        """The share of a layer's forward FLOPs its backward runs again: none of the matmuls under
+        ``selective`` (element-wise ops count no FLOPs here; a measured profile times them), all under ``full``."""
+        return 1.0 if recompute == "full" else 0.0
+
+    def memory_costs(self, cfg: ModelConfig, *, micro_batch: int, seq_len: int, dtype: str = "fp32",
+                     recompute: str = "none") -> MemoryCosts:
         """Memory of a stage's parts, counted from the shapes, with ``train.dtype`` activations.
 
-        A layer keeps :attr:`activation_elems` of the math SDPA path; the head keeps its
-        normed input and logits in ``dtype`` and the fp32 log-probabilities.
+        A layer keeps :meth:`layer_activations` under ``recompute``; the head keeps its normed
+        input and logits in ``dtype`` and the fp32 log-probabilities.
         """
         tokens, elem = micro_batch * seq_len, ELEMENT_BYTES[dtype]
+        kept, rebuilt = self.layer_activations(cfg, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute)
         acts = UnitParams(
-            layer=elem * self.activation_elems(cfg, micro_batch=micro_batch, seq_len=seq_len, flash=False), first=0,
+            layer=elem * kept, first=0,
             last=tokens * (elem * (cfg.dim + cfg.vocab_size) + ELEMENT_BYTES["fp32"] * cfg.vocab_size),
         )
-        return MemoryCosts(self.unit_params(cfg), acts, state_bytes(dtype).resident)
+        return MemoryCosts(self.unit_params(cfg), acts, state_bytes(dtype).resident, layer_rebuilt=elem * rebuilt)
 
     def layout(self, cfg: ModelConfig, plan: Plan) -> Layout:
         """Every parameter of the model under ``plan``, sharded by :attr:`tp_rules`."""

@@ -84,7 +84,8 @@ class Controller:
         faults = [f for f in planned_faults(config.failure, world=world_size(launcher), nnodes=launcher.nnodes)
                   if f not in fired]
         profile = load_profile(config.model, config.cluster, micro_batch=config.train.micro_batch,
-                               seq_len=config.train.seq_len, tp=config.parallel.tp)
+                               seq_len=config.train.seq_len, tp=config.parallel.tp,
+                               recompute=config.train.recompute)
         try:
             self.store = dist.TCPStore(launcher.master_addr, launcher.master_port, is_master=True,
                                        timeout=timedelta(seconds=launcher.timeout_s), wait_for_workers=False)

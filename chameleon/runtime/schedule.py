@@ -77,7 +77,7 @@ class _Forwards:
             x.requires_grad_(torch.is_grad_enabled())
         out = spec_of(self.model).stage_forward(
             self.state.params, self.model, x, layers=pipe.stages[s].layers, first=first, last=last,
-            targets=targets if last else None, tp=self.tp,
+            targets=targets if last else None, tp=self.tp, recompute=self.train.recompute,
         )
         if not last:
             self.sends.append(gen.send(out.detach().contiguous(), executors(plan, p, s + 1, i)[t],
