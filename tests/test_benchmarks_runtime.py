@@ -18,7 +18,8 @@ def test_chaos_quick():
 
 @pytest.mark.parametrize(("script", "args", "expect"), [
     ("bench_recovery.py", ["--quick"], "restart path"),
-    ("bench_pipeline.py", ["--layouts", "2x2", "--rounds", "1", "--warmup", "1", "--steps", "2"], "ours/plain"),
+    ("bench_step.py", ["--layouts", "2x1x2", "--n-layers", "4", "--dim", "64", "--rounds", "1", "--warmup", "1",
+                       "--steps", "2"], "ratio = Chameleon's tokens/s"),
     ("bench_sync.py", ["--plans", "2+3", "--dims", "64", "--rounds", "1", "--warmup", "1", "--iters", "2"], "round"),
     ("bench_planner.py", ["--scales", "32"], "32"),
     ("bench_estimator.py", ["--plans", "dp2", "--steps", "3"], "dp2"),
