@@ -25,6 +25,8 @@ def test_chaos_quick():
     ("bench_estimator.py", ["--plans", "dp2", "--steps", "3"], "dp2"),
     ("bench_precision.py", ["--quick"], "single process"),
     ("device_check.py", [], "needs a CUDA device and none is visible"),
+    ("bench_memory.py", ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--vocab", "256", "--steps", "1"],
+     "saving vs none"),
     ("bench_multinode.py", ["--quick"], "medians"),
     ("bench_groups.py", ["--ranks", "2", "4"], "plan"),
 ], ids=lambda x: x if isinstance(x, str) else None)
