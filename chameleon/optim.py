@@ -30,16 +30,7 @@ def init_moments(params: Tree) -> dict[str, dict[str, Tensor]]:
 
 
 def adamw(
-    params: Tree,
-    grads: Tree,
-    moments: Mapping[str, Tree],
-    step: int,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    params: Tree, grads: Tree, moments: Mapping[str, Tree], step: int, *, lr: float, **hyper: float
 ) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
     """One AdamW update (decoupled weight decay), returning new parameters and moments.
 
@@ -49,7 +40,7 @@ def adamw(
         moments: ``{"exp_avg": tree, "exp_avg_sq": tree}`` before this update.
         step: the 1-based update count (bias correction uses it): global step + 1.
         lr: this step's learning rate (see :func:`learning_rate`).
-        beta1, beta2, eps, weight_decay: AdamW's hyper-parameters.
+        hyper: ``beta1``, ``beta2``, ``eps``, ``weight_decay``, as :func:`adamw_` takes them.
 
     Returns:
         ``(params, moments)`` after the update; the inputs are left untouched.
@@ -58,8 +49,7 @@ def adamw(
     new_params = {n: params[n].clone() for n in names}
     new_moments = {kind: {n: moments[kind][n].clone() for n in names} for kind in MOMENTS}
     adamw_([new_params[n] for n in names], [grads[n] for n in names], [new_moments["exp_avg"][n] for n in names],
-           [new_moments["exp_avg_sq"][n] for n in names], step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-           weight_decay=weight_decay)
+           [new_moments["exp_avg_sq"][n] for n in names], step, lr=lr, **hyper)
     return new_params, new_moments
 
 
