@@ -22,6 +22,7 @@ Tree = Mapping[str, Tensor]
 MOMENTS = ("exp_avg", "exp_avg_sq")
 SCHEDULES = ("constant", "cosine")
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+GROUP_ELEMS = 1 << 26  # elements per multi-tensor group (256 MiB of fp32): bounds the update's transient memory
 
 
 def init_moments(params: Tree) -> dict[str, dict[str, Tensor]]:
@@ -69,25 +70,38 @@ def adamw_(
     """:func:`adamw` in place on lists of tensors, one multi-tensor (``torch._foreach_*``) op per stage of the update.
 
     The ops are the single-tensor path's, in its order: on CPU the results are its bits; on an
-    accelerator each op is one launch over every tensor instead of one per tensor.
+    accelerator each op is one launch over a group of tensors instead of one per tensor. Groups
+    hold up to :data:`GROUP_ELEMS` elements, so the transient (one denominator per element) stays
+    bounded, not a copy of the whole stage.
 
     Raises:
         ValueError: ``step < 1``.
     """
     if step < 1:
         raise ValueError(f"step={step}: AdamW counts updates from 1")
-    if not params:
-        return
     bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
-    if weight_decay:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bias2_sqrt)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bias1)
+    for group in _groups([p.numel() for p in params], GROUP_ELEMS):
+        p, g, m, v = ([t[i] for i in group] for t in (params, grads, exp_avgs, exp_avg_sqs))
+        if weight_decay:
+            torch._foreach_mul_(p, 1 - lr * weight_decay)
+        torch._foreach_lerp_(m, g, 1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, bias2_sqrt)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(p, m, denom, value=-lr / bias1)
+
+
+def _groups(sizes: list[int], limit: int) -> list[range]:
+    """Consecutive index ranges of ``sizes`` summing to at most ``limit`` each (a larger one alone)."""
+    groups, start, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and total + n > limit:
+            groups.append(range(start, i))
+            start, total = i, 0
+        total += n
+    return groups + ([range(start, len(sizes))] if start < len(sizes) else [])
 
 
 def sum_of_squares(tensors: Iterable[Tensor], *, device: torch.device) -> Tensor:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from chameleon.model.config import ModelConfig
+from chameleon import optim
 from chameleon.model.llama import LLAMA
 from chameleon.optim import adamw, clip_coefficient, init_moments, learning_rate, scale_, sum_of_squares
 
@@ -100,3 +101,16 @@ def test_clip_coefficient_only_shrinks():
     assert torch.equal(grads[0], torch.ones(3))
     scale_(grads, 0.25)
     assert torch.equal(grads[0], torch.full((3,), 0.25)) and torch.equal(grads[1], torch.ones(2, 2))
+
+
+def test_the_update_in_bounded_groups_is_the_update_at_once(monkeypatch):
+    """Groups of at most ``GROUP_ELEMS`` elements bound the update's transient; the bits do not change."""
+    start = LLAMA.init_params(CFG, 0)
+    grads = {n: torch.randn_like(t) for n, t in start.items()}
+    p1, m1 = adamw(start, grads, init_moments(start), 3, lr=1e-2, weight_decay=0.1, **HP)
+    monkeypatch.setattr(optim, "GROUP_ELEMS", 100)
+    assert len(optim._groups([t.numel() for t in start.values()], 100)) > len(start) // 2
+    p2, m2 = adamw(start, grads, init_moments(start), 3, lr=1e-2, weight_decay=0.1, **HP)
+    assert all(torch.equal(p1[n], p2[n]) for n in p1)
+    assert all(torch.equal(m1[k][n], m2[k][n]) for k in m1 for n in m1[k])
+    assert optim._groups([5, 5, 20, 1], 10) == [range(0, 2), range(2, 3), range(3, 4)] and optim._groups([], 10) == []

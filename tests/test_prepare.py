@@ -416,6 +416,7 @@ def bad_inputs(tmp: Path) -> tuple[dict, dict]:
     return command, in_process
 
 
+@pytest.mark.full  # 20 commands, 21 s: the full suite's (the fast tier stays under 5 minutes)
 def test_every_bad_input_is_one_line_and_exit_2(tmp_path):
     command, in_process = bad_inputs(tmp_path)
     procs = {name: run_command(tmp_path, *overrides, popen=True) for name, (overrides, _) in command.items()}

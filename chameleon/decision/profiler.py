@@ -113,7 +113,7 @@ class Profile:
         return asdict(self)
 
 
-PROFILE_FORMAT = 4  # bumped whenever what a profile measures changes, so older cached profiles are measured anew
+PROFILE_FORMAT = 5  # bumped whenever what a profile measures changes, so older cached profiles are measured anew
 
 
 def profile_key(model: ModelConfig, *, micro_batch: int, seq_len: int, tp: int, device: str, recompute: str = "none") -> str:
@@ -266,7 +266,9 @@ class KeptStorages(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
-                self._made.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+                known = self._made.get(storage.data_ptr())
+                if known is None or known[0].expired():  # new, or memory a freed storage held, reused
+                    self._made[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
         return out
 
     def alive(self, *, besides: Iterable[Tensor] = ()) -> int:
