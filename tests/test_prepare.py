@@ -89,6 +89,7 @@ def test_bytes_from_jsonl(tmp_path):
     assert np.array_equal(clone.tokens(0, len(clone)), shards.tokens(0, len(shards)))
 
 
+@pytest.mark.full
 def test_bpe_trained_on_the_source_through_the_command(tmp_path):
     """bpe:N is trained on the corpus and saved beside the shards; workers=2; a rerun is a no-op (files untouched)."""
     source = write_jsonl(tmp_path / "c.jsonl", TEXTS * 3)
