@@ -110,3 +110,20 @@ def test_a_bad_recompute_is_one_line(tmp_path):
     assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].endswith(
         "train.recompute='some': use none, selective, full")
     assert TrainConfig().recompute == "none"
+
+
+@pytest.mark.full
+def test_each_worker_records_its_peak_beside_the_estimate(tmp_path):
+    """summary.json: every worker's measured peak (RSS on CPUs) beside the memory model's bytes for its device;
+    recomputation lowers the estimate, and no worker's peak is below it (the peak adds the runtime)."""
+    job = (*SMALL_RUN, "launcher.nproc_per_node=2", "model.dim=256", "train.seq_len=64", "report.plots=false")
+    runs = {mode: run_entry("train", tmp_path / mode, *job, f"train.recompute={mode}") for mode in ("none", "full")}
+    for run in runs.values():
+        assert run.returncode == 0, run.stderr
+    estimates = {}
+    for mode, run in runs.items():
+        peaks, estimate = run.summary["peak_rss_mb"], run.summary["memory_estimate_mb"]
+        assert set(peaks) == set(estimate) == {"0", "1"}
+        assert all(peaks[d] > estimate[d] > 0 for d in peaks), (peaks, estimate)
+        estimates[mode] = estimate
+    assert all(estimates["full"][d] < estimates["none"][d] for d in estimates["none"])

@@ -30,7 +30,9 @@ import torch.distributed as dist
 
 from chameleon.config import Config, world_size
 from chameleon.decision.profiler import load_profile
+from chameleon.layout.memory import plan_memory
 from chameleon.layout.plan import Plan
+from chameleon.model.spec import spec_of
 from chameleon.report.outputs import write_json
 from chameleon.runtime import codec
 from chameleon.runtime.agent import Agent
@@ -142,8 +144,15 @@ class Controller:
             plan=core.resident.describe(), generations=core.generation + 1, world_size=core.world,
             nnodes=self.config.launcher.nnodes, wall_s=time.time() - core.t0,
             startup_s=(core.t_train - core.t0) if core.t_train else None, store_ops=core.store_ops,
-            peak_rss=core.peak_rss,
+            peak_rss=core.peak_rss, memory_estimate=self._memory_estimate(core.resident),
         )
+
+    def _memory_estimate(self, plan: Plan) -> dict[int, float]:
+        """The memory model's bytes for every device of ``plan`` (Eq. 14), recorded beside each worker's peak."""
+        model, train = self.config.model, self.config.train
+        costs = spec_of(model).memory_costs(model, micro_batch=plan.micro_batch_size, seq_len=train.seq_len,
+                                            dtype=train.dtype, recompute=train.recompute)
+        return plan_memory(costs, plan)
 
     def _open_local_node(self) -> None:
         """Node 0's agent, in this process; its registration (the others register over the network)."""

@@ -84,7 +84,7 @@ class Recorder:
 
     def summary(self, *, recoveries: list[dict], growths: list[dict], plan: str, generations: int, world_size: int,
                 nnodes: int, wall_s: float, startup_s: float | None, store_ops: dict[int, int],
-                peak_rss: dict[int, int]) -> Path:
+                peak_rss: dict[int, int], memory_estimate: dict[int, float]) -> Path:
         """Write ``summary.json`` (every step must have committed); return its path.
 
         Raises:
@@ -122,6 +122,8 @@ class Recorder:
             "startup_s": startup_s,
             "store_ops": {str(d): n for d, n in sorted(store_ops.items())},  # each worker's, all process-group rendezvous
             "peak_rss_mb": {str(d): n / 2**20 for d, n in sorted(peak_rss.items())},  # each worker's resident peak
+            # the memory model's (Eq. 14) for each device of the final plan: state and activations, no runtime
+            "memory_estimate_mb": {str(d): n / 2**20 for d, n in sorted(memory_estimate.items())},
         })
 
     def close(self) -> None:
