@@ -184,7 +184,8 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
     Activations assume a fused attention kernel (no ``s×s`` scores kept) in that dtype; the
     head keeps fp32 logits. The optimizer step streams the weight, gradient and
     moments in and the weight, moments and compute copy out. Under ``recompute`` a layer keeps
-    less and its backward reruns its share of the forward (:meth:`~chameleon.model.spec.ModelSpec.recompute_share`).
+    less; under ``full`` its backward reruns its forward (``selective`` reruns no matmul, only
+    element-wise ops, which count no FLOPs here: a measured profile times them).
     """
     spec = spec_of(model)
     layer_p, first_p, last_p = spec.unit_params(model)
@@ -193,7 +194,7 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
     layer_fwd, first_fwd, head_fwd = (flops * tokens / rate for flops in spec.forward_flops(model, seq_len, layer_p))
     act_elems, rebuilt_elems = spec.layer_activations(model, micro_batch=micro_batch, seq_len=seq_len,
                                                       recompute=recompute)
-    rerun = spec.recompute_share(model, seq_len, recompute)
+    rerun = 1.0 if recompute == "full" else 0.0
     n_nodes = -(-cluster.n_devices // cluster.devices_per_node)
     dp_gbps = cluster.inter_gbps if n_nodes > 1 else cluster.intra_gbps
     if cluster.memory_gb is None:

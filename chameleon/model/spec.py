@@ -269,11 +269,6 @@ class ModelSpec:
         kept = self.activation_elems(cfg, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute)
         return kept, self.activation_elems(cfg, micro_batch=micro_batch, seq_len=seq_len) - kept
 
-    def recompute_share(self, cfg: ModelConfig, seq_len: int, recompute: str) -> float:
-        """The share of a layer's forward FLOPs its backward runs again: none of the matmuls under
-        ``selective`` (element-wise ops count no FLOPs here; a measured profile times them), all under ``full``."""
-        return 1.0 if recompute == "full" else 0.0
-
     def memory_costs(self, cfg: ModelConfig, *, micro_batch: int, seq_len: int, dtype: str = "fp32",
                      recompute: str = "none") -> MemoryCosts:
         """Memory of a stage's parts, counted from the shapes, with ``train.dtype`` activations.
