@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from chameleon.runtime.comm import connect_store
+from chameleon.runtime.worker.comm import connect_store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = "127.0.0.1"
@@ -39,7 +39,7 @@ def launch(target: Callable, world: int, *args) -> list:
     """
     server = dist.TCPStore(HOST, 0, is_master=True, timeout=timedelta(seconds=TIMEOUT_S), wait_for_workers=False)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.pipelining", "chameleon.runtime.schedule"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed.pipelining", "chameleon.runtime.worker.schedule"])
     results = ctx.SimpleQueue()
     procs = [ctx.Process(target=_entry, args=(target, r, world, server.port, args, results), daemon=True)
              for r in range(world)]

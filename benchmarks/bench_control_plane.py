@@ -6,10 +6,10 @@ Usage::
     python benchmarks/bench_control_plane.py --report FILE [--plot PNG]
 
 For each size (64 → 8,192 devices, 8 per node; ``--devices`` picks sizes) it starts the
-real :class:`~chameleon.runtime.controller.Controller` in this process — its protocol
+real :class:`~chameleon.runtime.control.controller.Controller` in this process — its protocol
 core, the real selector and planner on Llama-2-7B shapes (the analytic H100 profile,
 one 8-stage pipeline per node), its links and its recorder — and node agents that
-speak the real protocol (:class:`~chameleon.runtime.agent.Agent` over real
+speak the real protocol (:class:`~chameleon.runtime.node.agent.Agent` over real
 authenticated links on loopback), packed by the hundred into a few emulator
 processes. Only the workers are emulated: a step is a sleep of ``--step-s`` with
 ±10 % jitter, after which each device hands its agent the ``Synced`` its plan implies
@@ -61,14 +61,28 @@ from _common import header
 from chameleon.config import Config
 from chameleon.layout.plan import Plan, even_plan, micro_batch_ranges
 from chameleon.layout.schedule import executors
-from chameleon.runtime import codec
-from chameleon.runtime.agent import Agent, lease_period
-from chameleon.runtime.beacon import Position
-from chameleon.runtime.controller import Controller
-from chameleon.runtime.messages import (
-    Begin, Commit, Done, End, Exited, Flag, Hello, Lease, Publish, Ready, Shutdown, Standby, Synced, Welcome,
+from chameleon.runtime.control.controller import Controller
+from chameleon.runtime.node.agent import Agent
+from chameleon.runtime.node.wire import connect, job_key
+from chameleon.runtime.protocol import codec
+from chameleon.runtime.protocol.messages import (
+    Begin,
+    Commit,
+    Done,
+    End,
+    Exited,
+    Flag,
+    Hello,
+    Lease,
+    Publish,
+    Ready,
+    Shutdown,
+    Standby,
+    Synced,
+    Welcome,
 )
-from chameleon.runtime.wire import connect, job_key
+from chameleon.runtime.protocol.position import Position
+from chameleon.runtime.protocol.timeouts import Timeouts
 
 SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 PER_NODE = 8
@@ -105,7 +119,7 @@ def config_for(devices: int, *, steps: int, port: int) -> tuple[Config, Plan]:
 class EmulatedPool:
     """A node's workers that do no math: a step is a sleep; what they report follows the pushed plan.
 
-    It has the interface of a node's worker pool (:class:`chameleon.runtime.agent.Pool`); its timers fire
+    It has the interface of a node's worker pool (:class:`chameleon.runtime.node.agent.Pool`); its timers fire
     when its loop calls :meth:`tick`.
     """
 
@@ -342,7 +356,7 @@ def emulate(nodes: list[int], config: Config, port: int, step_s: float, window: 
     selector = selectors.DefaultSelector()
     for node in emulated.values():
         selector.register(node.link, selectors.EVENT_READ, node)
-    lease_s, live = lease_period(config.ft.heartbeat_timeout_s), set(emulated)
+    lease_s, live = Timeouts.of(config).renew_s, set(emulated)
     kill_at = WARM + window + 1
     back_at = kill_at + BACK_AFTER
     while live:

@@ -12,7 +12,7 @@ start:
   (gloo connects every pair of its ranks: N − 1 connections per rank, and each rank
   makes 2N + 1 store operations to find the others);
 - **plan**: the groups a generation of a dp × pp plan of N devices builds now
-  (``worker.plan_groups``: each stage's gradient-sync group over its dp replicas and the
+  (``layout.groups.plan_groups``: each stage's gradient-sync group over its dp replicas and the
   pairs of neighbouring stages), pp = min(8, N / 2).
 
 Printed per N and kind: the slowest rank's build time, store operations per rank, and
@@ -35,14 +35,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from _common import header
 
+from chameleon.layout.groups import plan_groups
 from chameleon.layout.plan import even_plan
 from chameleon.model.config import ModelConfig
-from chameleon.runtime import comm
-from chameleon.runtime.messages import GenerationSpec
-from chameleon.runtime.worker import plan_groups
+from chameleon.model.spec import spec_of
+from chameleon.runtime.worker import comm
 
 TIMEOUT = timedelta(seconds=300)
 MODEL = ModelConfig(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16)
@@ -53,7 +52,7 @@ def groups_of(kind: str, n: int) -> list[tuple[int, ...]]:
         return [tuple(range(n))]
     pp = min(8, max(1, n // 2))
     plan = even_plan(dp=n // pp, pp=pp, tp=1, n_layers=8, global_batch=8 * (n // pp), micro_batch=1)
-    return plan_groups(MODEL, GenerationSpec(0, plan, plan.devices, 0))
+    return plan_groups(plan, spec_of(MODEL).layout(MODEL, plan))
 
 
 def ranks(kind: str, n: int, mine: list[int], port: int, out) -> None:

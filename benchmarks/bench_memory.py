@@ -46,7 +46,7 @@ def measure(args, mode: str) -> dict:
     from chameleon.layout.plan import even_plan
     from chameleon.model.config import ModelConfig
     from chameleon.model.spec import spec_of
-    from chameleon.runtime.stage import StageState, role_of
+    from chameleon.runtime.worker.stage import StageState, role_of
 
     torch.set_num_threads(1)
     cfg = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=8, n_kv_heads=4, vocab_size=args.vocab,

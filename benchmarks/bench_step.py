@@ -46,16 +46,15 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from chameleon.config import DataConfig, TrainConfig
 from chameleon.data.stream import micro_batch_samples, open_streams
 from chameleon.layout.geometry import geometry_of, sync_rounds
+from chameleon.layout.groups import plan_groups
 from chameleon.layout.plan import Plan, even_plan, micro_batch_ranges
 from chameleon.layout.schedule import step_actions
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
 from chameleon.optim import MOMENTS, adamw, hyperparameters
-from chameleon.runtime.comm import Generation
-from chameleon.runtime.messages import GenerationSpec
-from chameleon.runtime.schedule import run_step
-from chameleon.runtime.stage import StageState, role_of
-from chameleon.runtime.worker import plan_groups
+from chameleon.runtime.worker.comm import Generation
+from chameleon.runtime.worker.schedule import run_step
+from chameleon.runtime.worker.stage import StageState, role_of
 
 CPU = torch.device("cpu")
 # The plain side runs torch.optim.AdamW at a constant rate, unclipped: so does ours.
@@ -147,7 +146,7 @@ def _worker(rank: int, world: int, store, model: ModelConfig, train: dict, plan:
     rounds = sync_rounds(geometry_of(plan), layout)
     gen = Generation(connect_store=lambda: store, generation=0,
                      me=rank, backend="gloo", timeout_s=TIMEOUT_S,
-                     groups=plan_groups(model, GenerationSpec(0, plan, plan.devices, 0)))
+                     groups=plan_groups(plan, spec_of(model).layout(model, plan)))
     ours_tp = spec.tp_ops(partial(gen.all_reduce, members=stage.devices)) if stage.tp > 1 else None
     actions = step_actions(plan)[rank]
     ours_losses: list[float] = []

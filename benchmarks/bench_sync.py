@@ -32,9 +32,9 @@ from chameleon.layout.plan import Plan, plan_from_spec, split_layers
 from chameleon.layout.spec import Layout
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
-from chameleon.runtime.comm import Generation
-from chameleon.runtime.schedule import sync_gradients
-from chameleon.runtime.stage import StageState, role_of
+from chameleon.runtime.worker.comm import Generation
+from chameleon.runtime.worker.schedule import sync_gradients
+from chameleon.runtime.worker.stage import StageState, role_of
 
 # The plain side runs torch.optim.AdamW at a constant rate, unclipped: so does ours.
 TRAIN = TrainConfig(lr_schedule="constant", warmup_steps=0, clip_norm=0.0)

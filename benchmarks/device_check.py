@@ -77,7 +77,7 @@ def nccl_group(store, prefix: str, *, chameleon: bool = True, timeout_s: float =
     """A one-rank NCCL group: built as Chameleon builds it, or with c10d's defaults (lazy, blocking)."""
     import torch.distributed as dist
 
-    from chameleon.runtime.comm import build_group
+    from chameleon.runtime.worker.comm import build_group
 
     sub = dist.PrefixStore(prefix, store)
     if chameleon:
@@ -108,7 +108,7 @@ def slope_mib(samples: list[int]) -> float:
 def section_communicator() -> None:
     import torch.distributed as dist
 
-    from chameleon.runtime.completion import abort, apply_library_policy
+    from chameleon.runtime.worker.completion import abort, apply_library_policy
 
     apply_library_policy("nccl")
     torch.cuda.set_device(0)
@@ -171,7 +171,7 @@ def healthy() -> bool:
 
 
 def section_stuck_abort() -> None:
-    from chameleon.runtime.completion import abort, apply_library_policy
+    from chameleon.runtime.worker.completion import abort, apply_library_policy
 
     apply_library_policy("nccl")
     sleep_s, bound_s = 8.0, 10.0
@@ -216,7 +216,7 @@ def section_llama_stage() -> None:
     from chameleon.layout.plan import even_plan
     from chameleon.model.config import ModelConfig
     from chameleon.model.spec import spec_of
-    from chameleon.runtime.stage import StageState, role_of
+    from chameleon.runtime.worker.stage import StageState, role_of
 
     seq, layers = 4096, 24
     cfg = ModelConfig(name="1.4b", dim=2048, n_layers=layers, n_heads=16, n_kv_heads=8, vocab_size=32000,

@@ -29,7 +29,7 @@ from hydra import compose, initialize_config_dir
 
 from chameleon.config import CONF_DIR, register_configs
 from chameleon.sim import report
-from chameleon.sim.config import POLICIES
+from chameleon.sim.config import SimPolicy
 from chameleon.sim.engine import RunResult, simulate
 from chameleon.simulate import prepare
 
@@ -37,16 +37,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_simulator  # noqa: E402
 
 RATES = {"6 h": 21600, "3 h": 10800, "1 h": 3600, "30 min": 1800, "10 min": 600}
+HORIZON_INTERVALS = 16  # an Oobleck-style trace runs this many removal intervals
 BASE = ("+recipe=llama7b", "cluster=ascend910b_32", "sim.initial=planner", "sim.progress=false")
 BASELINES = ("elaswave", "oobleck", "recycle", "bamboo", "checkpoint", "torchft")
 REPAIR_H = 2.0
 PAPER = {"gap": 0.11, "oobleck": 1.229, "recycle": 1.355}
 
 
-def compose_run(*overrides: str):
+def compose_cfg(*overrides: str, base: tuple[str, ...] = BASE):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=[*BASE, *overrides])
-    return prepare(cfg)
+        return compose(config_name="config", overrides=[*base, *overrides])
+
+
+def compose_run(*overrides: str):
+    return prepare(compose_cfg(*overrides))
 
 
 def run_all(*overrides: str) -> tuple[dict[str, RunResult], object, tuple]:
@@ -56,12 +60,12 @@ def run_all(*overrides: str) -> tuple[dict[str, RunResult], object, tuple]:
 
 
 def oobleck_sweep(rates: dict[str, int], repair_h: float | None) -> dict[str, dict[str, RunResult]]:
-    """Every policy on Oobleck's trace at each removal interval, horizon 16 intervals."""
+    """Every policy on Oobleck's trace at each removal interval, horizon :data:`HORIZON_INTERVALS` intervals."""
     out = {}
     for label, interval in rates.items():
         repair = "null" if repair_h is None else repair_h
         out[label] = run_all("trace=oobleck", f"trace.interval_s={interval}", f"trace.repair_h={repair}",
-                             f"sim.horizon_h={16 * interval / 3600}")[0]
+                             f"sim.horizon_h={HORIZON_INTERVALS * interval / 3600}")[0]
     return out
 
 
@@ -81,16 +85,19 @@ def llama3(seeds: int, days: float) -> tuple[dict[str, list[float]], dict[str, f
 
 
 FIXED = ("dynamic", "reroute", "checkpoint")  # one recovery strategy, always
+POLICIES = tuple(SimPolicy)
 RISK_POLICIES = ("chameleon", "oracle", *FIXED)
 RECIPES = {"default": ("sim.initial=planner",), "llama7b": ("+recipe=llama7b", "cluster=ascend910b_32", "sim.initial=planner")}
 TIE = 1e-4  # throughputs this close (relative) are a tie: the policies made the same choices, placed a little apart
+ORACLE_SHARE = 0.98  # the goal: Chameleon within 2 % of the oracle
 SWEEP_RATES = {"6 h": 21600, "1 h": 3600, "10 min": 600}
+POISSON_PER_DAY, POISSON_REPAIR_H, POISSON_HORIZON_H = 10, 4.0, 24.0  # the sweep's Poisson trace
 
 
-def risk_traces(recipe: str, rates: dict[str, int]) -> dict[str, tuple[str, ...]]:
-    """The goal's sweep for one recipe: Oobleck-style removals (a card, and for llama7b a node of 8) at each rate,
-    without and with returns 2 h later, and Poisson faults (about 10 a day on the cluster, back after 4 h)."""
-    sizes = (1, 8) if recipe == "llama7b" else (1,)
+def risk_traces(rates: dict[str, int], devices: int, node: int) -> dict[str, tuple[str, ...]]:
+    """The goal's sweep on a cluster of ``devices`` in nodes of ``node``: Oobleck-style removals (a card, and on
+    several nodes a whole node) at each rate, without and with returns :data:`REPAIR_H` later, and Poisson faults."""
+    sizes = (1, node) if devices > node else (1,)
     traces = {}
     for size in sizes:
         for label, interval in rates.items():
@@ -99,10 +106,10 @@ def risk_traces(recipe: str, rates: dict[str, int]) -> dict[str, tuple[str, ...]
                 back = "never back" if repair == "null" else f"back after {repair:g} h"
                 traces[f"a {what} every {label}, {back}"] = (
                     "trace=oobleck", f"trace.interval_s={interval}", f"trace.repair_h={repair}", f"trace.node_size={size}",
-                    f"sim.horizon_h={16 * interval / 3600}")
-    devices = 32 if recipe == "llama7b" else 4
-    traces["Poisson, ~10 faults a day"] = ("trace=poisson", f"trace.device_mtbf_h={devices * 24 / 10:g}", "trace.repair_h=4",
-                                           "sim.horizon_h=24")
+                    f"sim.horizon_h={HORIZON_INTERVALS * interval / 3600}")
+    traces[f"Poisson, ~{POISSON_PER_DAY} faults a day"] = (
+        "trace=poisson", f"trace.device_mtbf_h={devices * 24 / POISSON_PER_DAY:g}", f"trace.repair_h={POISSON_REPAIR_H:g}",
+        f"sim.horizon_h={POISSON_HORIZON_H:g}")
     return traces
 
 
@@ -110,13 +117,13 @@ def risk_sweep(rates: dict[str, int], recipes: tuple[str, ...] = tuple(RECIPES))
     """Chameleon, the oracle and the fixed strategies on every trace of the goal's sweep, one row per trace."""
     rows = []
     for recipe in recipes:
-        base = RECIPES[recipe]
-        for label, overrides in risk_traces(recipe, rates).items():
-            with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-                cfg = compose(config_name="config", overrides=[*base, "sim.progress=false", *overrides])
-            setup, events, horizon, _ = prepare(cfg)
+        base = (*RECIPES[recipe], "sim.progress=false")
+        cluster = compose_cfg(base=base).cluster
+        for label, overrides in risk_traces(rates, cluster.n_devices, cluster.devices_per_node).items():
+            setup, events, horizon, _ = prepare(compose_cfg(*overrides, base=base))
             runs = {p: simulate(setup, p, events, horizon_s=horizon) for p in RISK_POLICIES}
-            rows.append({"recipe": recipe, "trace": label, "overrides": " ".join(overrides), "runs": runs,
+            rows.append({"recipe": recipe, "devices": cluster.n_devices, "trace": label, "overrides": " ".join(overrides),
+                         "runs": runs,
                          "avoidable_halts": [p for p, r in runs.items() if _avoidable_halt(r)]})
     return rows
 
@@ -139,18 +146,27 @@ def risk_table(rows: list[dict]) -> str:
 
 
 def risk_goal(rows: list[dict]) -> str:
-    """Which traces miss the goal (≥ the best fixed strategy, ≥ 0.98 of the oracle, no avoidable halt), and by what."""
+    """Which traces miss the goal (≥ the best fixed strategy, ≥ :data:`ORACLE_SHARE` of the oracle, no avoidable halt),
+    and by what."""
     misses = []
     for row in rows:
         runs = row["runs"]
         cham = runs["chameleon"].throughput
         fixed = max(runs[p].throughput for p in FIXED)
         why = [f"{cham / fixed:.4f} of the best fixed" for _ in [0] if cham < fixed * (1 - TIE)]
-        why += [f"{cham / runs['oracle'].throughput:.4f} of the oracle" for _ in [0] if cham < 0.98 * runs["oracle"].throughput]
+        why += [f"{cham / runs['oracle'].throughput:.4f} of the oracle" for _ in [0] if cham < ORACLE_SHARE * runs["oracle"].throughput]
         why += [f"{p} halted while devices were left" for p in row["avoidable_halts"] if p == "chameleon"]
         if why:
             misses.append(f"{row['recipe']}, {row['trace']}: {'; '.join(why)}")
     return "met on every trace" if not misses else "missed on " + "; ".join(misses)
+
+
+def risk_facts(rows: list[dict], rates: dict[str, int]) -> dict:
+    """The sweep's setting as the prose quotes it: its recipes, rates, tie and oracle margins."""
+    devices = {row["recipe"]: row["devices"] for row in rows}
+    return dict(risk_recipes=" and ".join(f"`{r}` on {n} devices" for r, n in devices.items()),
+                risk_rates=" / ".join(rates), tie=TIE, oracle_margin=1 - ORACLE_SHARE, poisson_per_day=POISSON_PER_DAY,
+                poisson_repair_h=POISSON_REPAIR_H, poisson_horizon_h=POISSON_HORIZON_H)
 
 
 def first_fault(run: RunResult) -> float:
@@ -202,11 +218,12 @@ def main() -> None:
     setup = compose_run("trace=none")[0]
     args.out.mkdir(parents=True, exist_ok=True)
     report.plot_timeline(list(detail.values()), compose_run("trace=oobleck", f"trace.interval_s={RATES[detail_label]}",
-                                                            f"sim.horizon_h={16 * RATES[detail_label] / 3600}")[1],
+                                                            f"sim.horizon_h={HORIZON_INTERVALS * RATES[detail_label] / 3600}")[1],
                          args.out / "eval_throughput_30min.png", title=f"one card removed every {detail_label}")
     report.plot_breakdown([r.to_dict() for r in detail.values()], args.out / "eval_breakdown_30min.png",
                           title=f"one card removed every {detail_label}")
-    risk_rows = risk_sweep({"10 min": SWEEP_RATES["10 min"]}, ("llama7b",)) if args.quick else risk_sweep(SWEEP_RATES)
+    risk_rates, risk_recipes = ({"10 min": SWEEP_RATES["10 min"]}, ("llama7b",)) if args.quick else (SWEEP_RATES, tuple(RECIPES))
+    risk_rows = risk_sweep(risk_rates, risk_recipes)
     field, field_own, field_faults, field_mtbf = llama3(seeds, days)
     scale = bench_simulator.measure(devices=256 if args.quick else 4096, days=1.0 if args.quick else 30.0)
     facts = collect_facts(plain, repaired, setup)
@@ -216,9 +233,9 @@ def main() -> None:
         load_start=" ".join(f"{x:.1f}" for x in load_start), load_end=" ".join(f"{x:.1f}" for x in os.getloadavg()),
         wall=time.perf_counter() - start, repair_h=REPAIR_H, plain=sweep_table(plain), repaired=sweep_table(repaired),
         detail_label=detail_label, detail=report.table([r.to_dict() for r in detail.values()]),
-        field=field_table(field, field_own), seeds=seeds, days=days, field_faults=field_faults, field_mtbf_h=field_mtbf / 3600,
-        field_device_mtbf_h=field_mtbf / 3600 * 32, scale=scale, risk=risk_table(risk_rows), risk_goal=risk_goal(risk_rows),
-        **facts,
+        field=field_table(field, field_own), seeds=seeds, days=days, field_faults=field_faults, faults_per_run=field_faults / seeds, field_mtbf_h=field_mtbf / 3600,
+        field_device_mtbf_h=field_mtbf / 3600 * setup.n_devices, scale=scale, risk=risk_table(risk_rows),
+        risk_goal=risk_goal(risk_rows), **risk_facts(risk_rows, risk_rates), **facts,
     )
     (args.out / "evaluation.md").write_text(text)
     print(text)
@@ -235,14 +252,16 @@ def field_table(shares: dict[str, list[float]], own: dict[str, float]) -> str:
 
 def collect_facts(plain, repaired, setup) -> dict:
     """The numbers the prose quotes, all taken from the runs above."""
-    ref = setup.reference
-    recipe = compose_run("trace=none", "sim.initial=recipe")[0]
+    ref, n, profile, sim = setup.reference, setup.n_devices, setup.planning.profile, setup.sim
+    recipe_cfg = compose_cfg("trace=none", "sim.initial=recipe")
+    recipe = prepare(recipe_cfg)[0]
+    oobleck_trace, llama3_trace = compose_cfg("trace=oobleck").trace, compose_cfg("trace=llama3").trace
     six = plain["6 h"] if "6 h" in plain else next(iter(plain.values()))
     cham, oob, rec = six["chameleon"], six["oobleck"], six["recycle"]
     faults = [r for r in cham.recoveries if r["kind"] == "fault"]
     oob_pauses = [r["pause_s"] for r in oob.recoveries if r["kind"] == "fault"]
     rec_choices = [r["choice"] for runs in plain.values() for r in runs["recycle"].recoveries if r["kind"] == "fault"]
-    fast_label = list(plain)[-1]
+    fast_label = list(plain)[-1]  # the shortest interval
     fast = plain[fast_label]
     fast_oob = [r for r in fast["oobleck"].recoveries if r["kind"] == "fault"]
     target = fast["chameleon"].throughput / PAPER["oobleck"]
@@ -260,8 +279,21 @@ def collect_facts(plain, repaired, setup) -> dict:
         ref_shape=" + ".join(f"{p.n_stages}-stage ×{p.micro_batches}mb" for p in ref.pipelines),
         ref_tput=setup.reference_throughput,
         recipe_share=recipe.plan.global_batch / recipe.planning.t_step(recipe.plan) / setup.reference_throughput,
-        first=first_fault(cham), gap=1 - first_fault(cham), linear=31 / 32, mean_post=statistics.fmean(r["post_over_reference"] for r in faults),
-        last_post=faults[-1]["post_over_reference"], last_left=faults[-1]["devices_left"], last_linear=faults[-1]["devices_left"] / 32,
+        n_cards=n, node=profile.devices_per_node, n_nodes=-(-n // profile.devices_per_node),
+        batch=recipe_cfg.train.global_batch, seq_len=recipe_cfg.train.seq_len, micro_batch=recipe_cfg.train.micro_batch,
+        recipe_dp=recipe_cfg.parallel.dp, recipe_pp=recipe_cfg.parallel.pp,
+        prior_h=setup.policy.mtbf_prior_s / 3600, oob_pipelines=sim.oobleck.fault_threshold + 1,
+        group_create_ms=profile.group_create_s * 1e3, restart_s=profile.restart_s, communicator_s=sim.elaswave.communicator_s,
+        bamboo_reconfigure_s=sim.bamboo.reconfigure_s, bamboo_overload=sim.bamboo.overload_threshold,
+        bamboo_fatal_s=sim.bamboo.fatal_restart_s, torchft_timeout_s=sim.torchft.timeout_s,
+        ref_step_s=setup.planning.t_step(ref), n_removals=oobleck_trace.n_removals, horizon_intervals=HORIZON_INTERVALS,
+        incidents=llama3_trace.incidents, incident_days=llama3_trace.incident_days,
+        incident_devices=llama3_trace.incident_devices, llama3_repair_h=llama3_trace.repair_h,
+        first=first_fault(cham), gap=1 - first_fault(cham), survivors=faults[0]["devices_left"],
+        linear=faults[0]["devices_left"] / n, n_faults=len(faults),
+        mean_post=statistics.fmean(r["post_over_reference"] for r in faults), cham_pause=statistics.fmean(r["pause_s"] for r in faults),
+        last_post=faults[-1]["post_over_reference"], last_left=faults[-1]["devices_left"], last_linear=faults[-1]["devices_left"] / n,
+        fewest_peers=min(sum(q.n_stages == p.n_stages for q in setup.plan.pipelines) - 1 for p in setup.plan.pipelines),
         o_lo=o_lo, o_hi=o_hi, r_lo=r_lo, r_hi=r_hi, ro_lo=ro_lo, ro_hi=ro_hi, rr_lo=rr_lo, rr_hi=rr_hi,
         oob_first=first_fault(oob), reroute_first=first_fault(six["reroute"]), oob_ff=oob.initial_throughput / oob.reference_throughput,
         oob_pause=statistics.fmean(oob_pauses), rec_first=first_fault(rec), rec_ff=rec.initial_throughput / rec.reference_throughput,
@@ -274,6 +306,7 @@ def collect_facts(plain, repaired, setup) -> dict:
         gap_verdict="reproduced" if 1 - first_fault(cham) <= PAPER["gap"] else "not reproduced",
         o_verdict=_verdict(o_hi, ro_hi, PAPER["oobleck"]), r_verdict=_verdict(r_hi, rr_hi, PAPER["recycle"]),
         fast_label=fast_label, oob_needed=oob_needed, oob_fast_pause=oob_fast_pause,
+        oob_pause_share=statistics.fmean(oob_pauses) / RATES[fast_label],
         ahead_of_cham=", ".join(ahead) or "none",
         o_goal=_goal(lows["oobleck"], PAPER["oobleck"]), r_goal=_goal(lows["recycle"], PAPER["recycle"]),
     )
@@ -302,18 +335,18 @@ with Chameleon's runtime is in [torchft.md](torchft.md).
 
 ## Set-up
 
-- **Cluster** `cluster=ascend910b_32`: 32 Ascend-910B-class cards, 4 nodes × 8, analytic profile
+- **Cluster** `cluster=ascend910b_32`: {n_cards} Ascend-910B-class cards, {n_nodes} nodes × {node}, analytic profile
   from datasheet figures (sources and the unsure ones in `conf/cluster/ascend910b_32.yaml`). The
   paper's testbed is "a 32-card cluster"; its card model, interconnect and layout were not
   recovered.
-- **Model** `+recipe=llama7b`: Llama-2-7B shape, 256 sequences × 4096 tokens per step, micro-batch 1.
+- **Model** `+recipe=llama7b`: Llama-2-7B shape, {batch} sequences × {seq_len} tokens per step, micro-batch {micro_batch}.
 - **Reference** (the denominator of every ratio below): the planner's best failure-free plan on
   the full cluster, cards allowed to idle when that is faster (`sim.reference_idle`): here
-  {ref_shape}, **{ref_tput:.2f} samples/s**. The recipe's even 4 × 8 layout reaches
+  {ref_shape}, **{ref_tput:.2f} samples/s**. The recipe's even {recipe_dp} × {recipe_pp} layout reaches
   {recipe_share:.3f} of it, so it is no reference. No ratio to the reference can exceed 1. The
-  linear limit `(cards left)/32` is not a hard bound: the planner's plans differ in efficiency
-  per card (a 31-card plan can beat 31/32 of the 32-card one), so it is printed beside the ratios.
-- **Chameleon starts** from the planner's plan on all 32 cards (`sim.initial=planner`); each
+  linear limit `(cards left)/{n_cards}` is not a hard bound: the planner's plans differ in efficiency
+  per card (a plan on fewer cards can beat its share of the {n_cards}-card one), so it is printed beside the ratios.
+- **Chameleon starts** from the planner's plan on all {n_cards} cards (`sim.initial=planner`); each
   baseline starts from its own plan (its column `own failure-free / ref.` in the detailed table).
 
 ## The baselines and what each models
@@ -322,14 +355,14 @@ Each model's module docstring names the source of every cost and what it leaves 
 
 | policy | models | sources | left out |
 |---|---|---|---|
-| `chameleon` | Eq. 8 over reroute, re-plan, neighbour takeover; D from a Gamma–Poisson posterior (6 h prior) | this repository | — |
+| `chameleon` | Eq. 8 over reroute, re-plan, neighbour takeover; D from a Gamma–Poisson posterior ({prior_h:g} h prior) | this repository | — |
 | `oracle`, `dynamic`, `reroute` | Chameleon with the true D; forced to re-plan; forced to reroute (Eq. 12/13, falls back to Eq. 8 when rerouting is impossible) | this repository | — |
-| `elaswave` | best re-plan after every change, a 1 s communicator edit, migration free (off the critical path) | arXiv 2510.00606 abstract | DVFS bubble absorption (no boost figure published) |
-| `oobleck` | pipeline templates (Oobleck's `T1+T2+T3`), ≥ f+1 = 4 pipelines, its batch distribution, local shrink/borrow/merge on a fault, per-layer group rebuild + first-holder weight broadcast, no rerouting, repaired nodes idle | `SymbioticLab/Oobleck`: `planning/instantiator.py`, `csrc/planning/execution_result.h`, `execution/engine.py`, `tools/simulator/oobleck_simulator.py` | GPUs per node, FSDP, pipeline/FSDP group creation |
+| `elaswave` | best re-plan after every change, a {communicator_s:g} s communicator edit, migration free (off the critical path) | arXiv 2510.00606 abstract | DVFS bubble absorption (no boost figure published) |
+| `oobleck` | pipeline templates (Oobleck's `T1+T2+T3`), ≥ f+1 = {oob_pipelines} pipelines, its batch distribution, local shrink/borrow/merge on a fault, per-layer group rebuild + first-holder weight broadcast, no rerouting, repaired nodes idle | `SymbioticLab/Oobleck`: `planning/instantiator.py`, `csrc/planning/execution_result.h`, `execution/engine.py`, `tools/simulator/oobleck_simulator.py` | GPUs per node, FSDP, pipeline/FSDP group creation |
 | `recycle` | even plan, reroute to same-stage peers; step = max(1F1B step, busiest device's work + its stage's sync + optimizer): every bubble filled, staggered optimizer; restart on an even plan when rerouting is impossible | arXiv 2405.14009 (abstract: decoupled backprop, staggered optimizer, bubbles) | rerouted activation transfers, deferred weight-gradient memory |
-| `bamboo` | shadow forward `(2 − hidden)×` with hidden = the bubble share, shadow weights + optimizer in memory, fail-over to the predecessor, Oobleck's artifact rules: reconfigure (450 s) when 2·overloaded/active > 5 %, fatal restart 30 s | `uclasystem/bamboo` (`get_redundant_stage_ids`), Oobleck's `tools/simulator/bamboo_simulator.py` | lazy mode, shadow weight transfer |
-| `checkpoint` | Young/Daly interval `sqrt(2·δ·MTBF)`, restart on the best even plan: 180 s relaunch + reload + rolled-back progress; a checkpoint and a restart onto repaired cards | Young 1974 / Daly 2006; FlashRecovery (arXiv 2509.03047): 150 s on 4,800 devices; Llama 3: ≥ 90 % effective time over 419 interruptions (≤ 18.6 min each) | asynchronous checkpoints |
-| `torchft` | even plan, the replica group with a failed card drops out (its samples dropped), survivors wait the 60 s collective timeout (its default; on these 10-s steps a short timeout would fire on healthy steps), heal when all its cards are back | pytorch/torchft 0.2.0 (`Manager` defaults), measured in [torchft.md](torchft.md) | Lighthouse heartbeat/join timeouts |
+| `bamboo` | shadow forward `(2 − hidden)×` with hidden = the bubble share, shadow weights + optimizer in memory, fail-over to the predecessor, Oobleck's artifact rules: reconfigure ({bamboo_reconfigure_s:g} s) when 2·overloaded/active > {bamboo_overload:.0%}, fatal restart {bamboo_fatal_s:g} s | `uclasystem/bamboo` (`get_redundant_stage_ids`), Oobleck's `tools/simulator/bamboo_simulator.py` | lazy mode, shadow weight transfer |
+| `checkpoint` | Young/Daly interval `sqrt(2·δ·MTBF)`, restart on the best even plan: {restart_s:g} s relaunch + reload + rolled-back progress; a checkpoint and a restart onto repaired cards | Young 1974 / Daly 2006; FlashRecovery (arXiv 2509.03047): 150 s on 4,800 devices; Llama 3: ≥ 90 % effective time over 419 interruptions (≤ 18.6 min each) | asynchronous checkpoints |
+| `torchft` | even plan, the replica group with a failed card drops out (its samples dropped), survivors wait the {torchft_timeout_s:g} s collective timeout (its default; on these {ref_step_s:.0f}-s steps a short timeout would fire on healthy steps), heal when all its cards are back | pytorch/torchft 0.2.0 (`Manager` defaults), measured in [torchft.md](torchft.md) | Lighthouse heartbeat/join timeouts |
 
 ## The paper's three headline claims
 
@@ -341,7 +374,7 @@ Each model's module docstring names the source of every cost and what it leaves 
 
 ## Oobleck's traces: one card removed every interval (samples/s)
 
-15 removals, no re-join, horizon 16 intervals. Cham./X divides Chameleon's average throughput by X's.
+{n_removals} removals, no re-join, horizon {horizon_intervals} intervals. Cham./X divides Chameleon's average throughput by X's.
 
 {plain}
 
@@ -365,13 +398,13 @@ steps, rolled-back progress, time after the job stopped).
 
 ## Faults at Llama 3's published rate (`trace=llama3`)
 
-419 unexpected interruptions in 54 days on 16,384 GPUs is one per {field_device_mtbf_h:,.0f}
-GPU-hours; on 32 cards that is one fault every {field_mtbf_h:,.0f} h. {seeds} traces of {days:g}
-days each (cards back after 4 h) hold {field_faults} faults in all. Throughput ÷ reference per policy:
+{incidents} unexpected interruptions in {incident_days:g} days on {incident_devices:,} GPUs is one per {field_device_mtbf_h:,.0f}
+GPU-hours; on {n_cards} cards that is one fault every {field_mtbf_h:,.0f} h. {seeds} traces of {days:g}
+days each (cards back after {llama3_repair_h:g} h) hold {field_faults} faults in all. Throughput ÷ reference per policy:
 
 {field}
 
-At this rate a 32-card job meets a fault about once a run, so two things separate the policies:
+At this rate a {n_cards}-card job meets {faults_per_run:.1f} faults a run on average, so two things separate the policies:
 what each pays without faults (its own failure-free plan: the even plans of the others below the
 planner's uneven one, Bamboo's redundant forward and shadow memory, checkpoint writes) and how long
 one fault's damage lasts (the last column): Oobleck never takes the repaired card back, ReCycle
@@ -380,23 +413,23 @@ checkpoint-restart rolls back and relaunches twice.
 
 ## Where ours differ from the paper, and why
 
-- **Post-recovery gap.** After the first lost card Chameleon re-plans the 31 survivors to
-  {first:.3f} of the reference; over the 15 faults of the {first_label} trace the mean is {mean_post:.3f},
+- **Post-recovery gap.** After the first lost card Chameleon re-plans the {survivors} survivors to
+  {first:.3f} of the reference; over the {n_faults} faults of the {first_label} trace the mean is {mean_post:.3f},
   and after the last ({last_left} cards left) {last_post:.3f} (linear limit {last_linear:.3f}). The
-  paper's "within 11.00 %" is met with room. Simulated figures inherit the estimator's error (a
-  median 24.5 % against measured CPU steps, [decision.md](decision.md)) and know no stragglers or
+  paper's "within {paper_gap:.2%}" is {gap_verdict}. Simulated figures inherit the estimator's error
+  (measured against CPU steps in [decision.md](decision.md)) and know no stragglers or
   jitter, so a measured gap on real cards would be larger.
 - **Against Oobleck we find {o_lo:.3f}–{o_hi:.3f}×, not {paper_o:.3f}×.** Modelled from its code,
   Oobleck's templates on this cluster give a failure-free plan at {oob_ff:.3f} of the reference,
   and after one fault its local re-instantiation reaches {oob_first:.3f} (Chameleon's global
   re-plan: {first:.3f}). Its reconfiguration pause (a mean of {oob_pause:.1f} s here: per-layer
-  group creation at 200 ms each plus the weight broadcast; its own simulator charges 10 s for
-  GPT-3 6.7B) is small against intervals of ten minutes or more. The gap opens where Oobleck cannot
+  group creation at {group_create_ms:g} ms each plus the weight broadcast; its own simulator charges 10 s for
+  GPT-3 6.7B) is {oob_pause_share:.2%} of the shortest interval ({fast_label}). The gap opens where Oobleck cannot
   follow: repaired cards return (it leaves them idle), and its local shrink drifts away from the
   best plan as faults accumulate. Oobleck's code reconfigures only when nodes are lost
   (`ReconfigurationEngine` listens for lost nodes; its simulator never reconfigures for added
   ones), so on the traces with repairs the returned cards idle and the ratio grows to
-  {ro_hi:.3f}×. What the paper's 1.229× rests on — Oobleck's real
+  {ro_hi:.3f}×. What the paper's {paper_o:.3f}× rests on — Oobleck's real
   reconfiguration on Ascend, its template set, the paper's own trace — was not recovered. At the
   fastest rate (a card every {fast_label}), Oobleck would have to pause about {oob_needed:,.0f} s
   per fault instead of {oob_fast_pause:.1f} s for Chameleon to lead it by {paper_o:.3f}×.
@@ -408,13 +441,13 @@ checkpoint-restart rolls back and relaunches twice.
   times when rerouting became impossible (no live peer, or the hosts' extra activations no longer
   fit), and stopped {rec_halts} times when a stage had lost every replica. Chameleon forced to reroute
   its own uneven plan does worse after the first fault ({reroute_first:.3f}): a lost stage has
-  same-stage peers only in pipelines of its own length (one, in this plan), so that peer carries
-  all of its micro-batches; Eq. 8 re-plans instead.
+  same-stage peers only in pipelines of its own length (as few as {fewest_peers} in this plan), so
+  those peers carry all of its micro-batches; Eq. 8 re-plans instead.
 - **ElasWave, the highest anchor, is ahead of Chameleon by up to {elas_over_cham:.2%}:** our model
   of it pays 1 s per change and nothing for migration, where Chameleon pays its state migration
-  (seconds). Chameleon's choices across the plain traces: {cham_choices}. With transitions this
-  cheap, Eq. 8 re-plans at every rate; rerouting wins only when re-planning is dear (the
-  `tests/test_sim.py` crossover case makes optimizer state 100× costlier to move).
+  (a mean of {cham_pause:.1f} s per fault on the {first_label} trace). Chameleon's choices across the plain traces: {cham_choices}. With transitions this
+  cheap, Eq. 8 re-plans at every rate; rerouting wins only when re-planning is dear (Eq. 8's
+  crossover: `tests/test_decision_selector.py`).
 - **Goal** (ahead of every modelled baseline at every rate, by at least the paper's ratios where
   its setting is matched). Baselines ahead of Chameleon at some rate: {ahead_of_cham}. Lead at
   every rate (plain and repaired traces) by at least the paper's ratio: over Oobleck {o_goal},
@@ -428,17 +461,17 @@ a layer with no replica, times a reload and the progress since the newest checkp
 and interval known), or the whole run when none exists. Its re-plans weigh the planner's best
 plan, its best with every layer on two pipelines, and its best on fewer cards (the rest idle).
 Like the runtime, the simulated Chameleon writes asynchronous checkpoints (Young/Daly interval,
-training on while each lands) and may reload one. The sweep: both recipes (`default`: the tiny
-model on this host's 4 local devices, profiled; `llama7b` on `cluster=ascend910b_32`), each
-starting from its planner's plan; Oobleck-style removals (a card, and for llama7b a node of 8) every
-6 h / 1 h / 10 min, never back or back after {repair_h:g} h, horizon 16 intervals; Poisson faults at
-about 10 a day, back after 4 h, over 24 h. Fixed strategies: `dynamic` and `reroute` (Chameleon
+training on while each lands) and may reload one. The sweep: {risk_recipes} (`default`: the tiny
+model on this host's local devices, profiled; `llama7b` on `cluster=ascend910b_32`), each
+starting from its planner's plan; Oobleck-style removals (a card, and on several nodes a whole node) every
+{risk_rates}, never back or back after {repair_h:g} h, horizon {horizon_intervals} intervals; Poisson faults at
+about {poisson_per_day} a day, back after {poisson_repair_h:g} h, over {poisson_horizon_h:g} h. Fixed strategies: `dynamic` and `reroute` (Chameleon
 forced to one) and `checkpoint` (restart). Samples/s; ratios of Chameleon's; a halt "a
 checkpoint could save" is one with live cards left.
 
 {risk}
 
-Goal (never below the best fixed strategy — ties within 0.01 % — within 2 % of the oracle, no
+Goal (never below the best fixed strategy — ties within {tie:.2%} — within {oracle_margin:.0%} of the oracle, no
 avoidable halt): {risk_goal}. The oracle knows when the next fault comes, not which cards it
 takes, so Chameleon can beat it where a replicated plan's insurance does not pay.
 

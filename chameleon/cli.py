@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,11 +23,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from chameleon.config import CONF_DIR, RECIPES_DIR, Config, ConfigError, register_configs
 from chameleon.model.config import ModelConfig
-from chameleon.runtime.launch import LaunchError
+from chameleon.runtime.protocol.errors import LaunchError
 
 EXIT_CONFIG = 2
 _PASS_THROUGH = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--resolve", "--package", "-p", "--shell-completion",
@@ -67,8 +68,26 @@ def refusal(err: BaseException) -> str:
 
 
 def one_line(err: BaseException) -> str:
+    """``err`` as one line; a value the schema's type refuses names its key and what the type takes."""
+    typed = _refused_value(err.__cause__)
+    if typed:
+        return typed
     text = str(err).split("Config search path")[0]
     return " ".join(part.strip() for part in text.splitlines() if part.strip()) or type(err).__name__
+
+
+def _refused_value(cause: BaseException | None) -> str | None:
+    """``key='value': use one of …`` (an enum) or ``key='value': give an integer`` (a number), else None."""
+    if not isinstance(cause, ValidationError) or not cause.full_key:
+        return None
+    choice = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]", cause.msg)
+    if choice:
+        return f"{cause.full_key}={choice[1]!r}: use {choice[2]}"
+    number = re.match(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", cause.msg)
+    if number:
+        kind = number[2].lower()
+        return f"{cause.full_key}={number[1]!r}: give {'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+    return f"{cause.full_key}: {cause.msg.splitlines()[0]}"
 
 
 def compose_command_line(overrides: list[str]) -> DictConfig:

@@ -14,13 +14,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from enum import StrEnum
 
 import torch
 from torch import Tensor
 
 Tree = Mapping[str, Tensor]
 MOMENTS = ("exp_avg", "exp_avg_sq")
-SCHEDULES = ("constant", "cosine")
+
+
+class LrSchedule(StrEnum):
+    """``train.lr_schedule``: constant, or cosine by global step after the linear warm-up."""
+
+    constant = "constant"
+    cosine = "cosine"
+
+
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 GROUP_ELEMS = 1 << 26  # elements per multi-tensor group (256 MiB of fp32): bounds the update's transient memory
 
@@ -146,8 +155,8 @@ def learning_rate(
     Raises:
         ValueError: an unknown schedule.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"train.lr_schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
+    if schedule not in list(LrSchedule):
+        raise ValueError(f"train.lr_schedule={schedule!r}: use one of {', '.join(LrSchedule)}")
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     if schedule == "constant":

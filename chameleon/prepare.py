@@ -22,10 +22,21 @@ from omegaconf import DictConfig
 
 from chameleon import cli
 from chameleon.config import CONF_DIR, ConfigError, DataConfig, register_configs, typed
-from chameleon.data.shards import (FORMAT, MANIFEST, DataError, Manifest, ShardWriter, TokenizerEntry, check_shards,
-                                   clear, dtype_for, write_manifest)
+from chameleon.data.shards import (
+    FORMAT,
+    MANIFEST,
+    DataError,
+    Manifest,
+    ShardWriter,
+    TokenizerEntry,
+    check_shards,
+    clear,
+    dtype_for,
+    write_manifest,
+)
 from chameleon.data.sources import describe_sources, list_sources
 from chameleon.data.tokenizer import BPE_EOS, Tokenizer, load_tokenizer, parse_spec, tokenizer_of
+from chameleon.report.progress import on_terminal, progress_bar
 
 EXAMPLE = "python -m chameleon.prepare data.source=corpus.jsonl data.path=shards data.tokenizer=bpe:32000"
 
@@ -105,7 +116,7 @@ def prepare(data: DataConfig, *, progress: bool = False, log: Callable[[str], No
 
     Args:
         data: the ``data`` config (source, path, tokenizer, text_key, eos_token, workers).
-        progress: show progress bars (on stderr).
+        progress: show progress bars (on stderr, only when it is a terminal).
         log: where the lines before the last one go.
 
     Raises:
@@ -121,6 +132,7 @@ def prepare(data: DataConfig, *, progress: bool = False, log: Callable[[str], No
     current = _up_to_date(out, data, sources, tokenizer)
     if current is not None:
         return Prepared(out / MANIFEST, current, written=False)
+    progress = on_terminal(progress)
     _quiet_datasets(progress)
     from chameleon.data.sources import iter_texts, load_texts, tokenize
 
@@ -175,10 +187,9 @@ def _up_to_date(out: Path, data: DataConfig, sources: tuple, tokenizer: Tokenize
 def _write_shards(ids, out: Path, *, dtype: str, progress: bool) -> list:
     """Stream the tokenized documents into shards, a batch of them in memory at a time."""
     import pyarrow.compute as pc
-    from tqdm import tqdm
 
     writer = ShardWriter(out, dtype=dtype)
-    with tqdm(total=len(ids), unit="doc", desc="writing shards", disable=not progress) as bar:
+    with progress_bar(total=len(ids), unit="doc", desc="writing shards", wanted=progress) as bar:
         for table in ids.with_format("arrow").iter(batch_size=4096):
             column = table.column("ids").combine_chunks()
             writer.add(column.flatten().to_numpy(), pc.list_value_length(column).to_numpy())
@@ -198,7 +209,7 @@ def _job(cfg: DictConfig) -> None:
     """Check, prepare, print the manifest's path; bad input ends as one line and exit 2."""
     try:
         check(cfg)
-        done = prepare(typed(cfg, "data", DataConfig), progress=cfg.output.progress and sys.stderr.isatty(),
+        done = prepare(typed(cfg, "data", DataConfig), progress=cfg.output.progress,
                        log=lambda line: print(line, flush=True))
     except (ConfigError, DataError) as err:
         cli.fail(err)

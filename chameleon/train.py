@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from chameleon import cli
-from chameleon.config import CONF_DIR, ConfigError, model_config, register_configs, to_config, to_container, validate
+from chameleon.config import CONF_DIR, ConfigError, model_config, register_configs, to_config, to_container
 
 USAGE = """
 usage: python -m chameleon.train [+recipe=NAME] [GROUP=OPTION ...] [KEY=VALUE ...] [--multirun]
@@ -48,24 +48,26 @@ register_configs()
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def _job(cfg: DictConfig) -> None:
     """Validate, train, print the summary path; every way it can end is one line and an exit code."""
+    from chameleon.runtime.node.preflight import check_job
+
     try:
-        plan = validate(cfg)
+        plan = check_job(cfg)  # checked once: a single run's config was checked before Hydra started
     except ConfigError as err:
         cli.fail(err)
     from chameleon.model.hf import export_hf
-    from chameleon.report.run_plots import plot_run
     from chameleon.report.live import live_mirrors
+    from chameleon.report.run_plots import plot_run
     from chameleon.runtime.checkpoint import CheckpointError
-    from chameleon.runtime.controller import run_training
-    from chameleon.runtime.errors import JobRestart, Preempted, TrainingError
-    from chameleon.runtime.launch import LaunchError, job_secret
+    from chameleon.runtime.control.controller import run_training
+    from chameleon.runtime.node.launch import job_secret
+    from chameleon.runtime.protocol.errors import JobRestart, LaunchError, Preempted, TrainingError
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         secret = job_secret(cfg.launcher.nnodes)
     except LaunchError as err:
         cli.fail(err)
-    print(f"plan ({len(plan.devices)} workers):\n{plan.describe()}", flush=True)
+    print(f"plan ({len(plan.devices)} workers):\n{plan.summary()}", flush=True)
     ending = None
     try:
         with live_mirrors(run_dir, tensorboard=cfg.report.tensorboard, wandb=cfg.report.wandb,
@@ -95,7 +97,7 @@ def _job(cfg: DictConfig) -> None:
 
 def _stop(line: str, code: int) -> None:
     """End with ``line`` once every process the run started has exited."""
-    from chameleon.runtime.processes import stop_forkserver
+    from chameleon.runtime.node.processes import stop_forkserver
 
     stop_forkserver()
     print(line, file=sys.stderr, flush=True)
@@ -104,10 +106,11 @@ def _stop(line: str, code: int) -> None:
 
 def _prepare(cfg: DictConfig) -> None:
     """Refuse what cannot run before Hydra writes anything; on a node other than 0, serve as its agent."""
-    from chameleon.runtime.launch import LaunchError, job_secret
-    from chameleon.runtime.preflight import node_problem
+    from chameleon.runtime.node.launch import job_secret
+    from chameleon.runtime.node.preflight import check_job, node_problem
+    from chameleon.runtime.protocol.errors import LaunchError
 
-    validate(cfg)
+    check_job(cfg)
     job_secret(cfg.launcher.nnodes)
     problem = node_problem(cfg.launcher)
     if problem:
@@ -130,10 +133,10 @@ def _check_run_dir(run_dir: Path) -> None:
 
 def _serve_node(cfg: DictConfig) -> int:
     """Run this node's agent (launcher.node_rank ≥ 1) until the job ends; its exit code."""
-    from chameleon.runtime.agent import serve
-    from chameleon.runtime.processes import stop_forkserver
-    from chameleon.runtime.launch import job_secret
-    from chameleon.runtime.wire import job_key
+    from chameleon.runtime.node.agent import serve
+    from chameleon.runtime.node.launch import job_secret
+    from chameleon.runtime.node.processes import stop_forkserver
+    from chameleon.runtime.node.wire import job_key
 
     launcher = cfg.launcher
     key = job_key(job_secret(launcher.nnodes))  # _prepare has checked that it is set

@@ -11,14 +11,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import SMALL_RUN, run_entry
+from test_faults import BF16_LOSS_TOLERANCE
 
 from chameleon.config import TrainConfig
 from chameleon.layout.plan import even_plan
 from chameleon.model.config import ModelConfig
-from chameleon.runtime.stage import KINDS, StageState, role_of
 from chameleon.report.compare import relative_difference
-from conftest import SMALL_RUN, run_entry
-from test_faults import BF16_LOSS_TOLERANCE
+from chameleon.runtime.worker.stage import KINDS, StageState, role_of
 
 pytestmark = [
     pytest.mark.accelerator,

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from chameleon.runtime import device as device_module
-from chameleon.runtime.comm import Generation, build_group
-from chameleon.runtime.completion import LIBRARY_POLICY, apply_library_policy
+from chameleon.runtime.worker import device as device_module
+from chameleon.runtime.worker.comm import Generation, build_group
+from chameleon.runtime.worker.completion import LIBRARY_POLICY, apply_library_policy
 
 CALLS: list[tuple] = []
 

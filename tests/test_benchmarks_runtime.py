@@ -22,6 +22,7 @@ def test_chaos_quick():
                        "--steps", "2"], "ratio = Chameleon's tokens/s"),
     ("bench_sync.py", ["--plans", "2+3", "--dims", "64", "--rounds", "1", "--warmup", "1", "--iters", "2"], "round"),
     ("bench_planner.py", ["--scales", "32"], "32"),
+    ("bench_decision.py", ["--devices", "48"], "| 48 |"),
     ("bench_estimator.py", ["--plans", "dp2", "--steps", "3"], "dp2"),
     ("bench_precision.py", ["--quick"], "single process"),
     ("device_check.py", [], "needs a CUDA device and none is visible"),

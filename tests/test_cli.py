@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ENV, SMALL_RUN, run_entry
 from hydra.errors import HydraException
 
 from chameleon import cli, plan, simulate, train
 from chameleon.config import ConfigError
-from conftest import ENV, SMALL_RUN, run_entry
 
 CHECKS = {"train": train._prepare, "plan": plan.check, "simulate": simulate.check}
 
@@ -46,7 +46,8 @@ def refusal(entry: str, *overrides: str) -> str:
     (("launcher.nnodes=2", "launcher.nproc_per_node=2", "launcher.master_addr=h", "launcher.master_port=0"),
      "launcher.master_port=0"),
     (("data.path=/nonexistent/corpus.txt",), "data.path='/nonexistent/corpus.txt' is not a file"),
-    (("data.pack=zigzag",), "data.pack='zigzag': use window or document"),
+    (("data.pack=zigzag",), "data.pack='zigzag': use window, document"),
+    (("train.steps=abc",), "train.steps='abc': give an integer"),
     (("data.val_fraction=1",), "data.val_fraction=1.0: use a fraction in [0, 1)"),
     (("train.eval_batches=1000",), "train.eval_batches=1000 evaluates 16000 windows but the validation documents hold"),
     (("train.eval_interval=-1",), "train.eval_interval=-1"),
@@ -82,7 +83,7 @@ def test_simulate_refuses(tmp_path):
     assert "names node99" in refusal("simulate", "trace=csv", f"trace.path={stray}")
     assert "trace.interval_s=-5.0" in refusal("simulate", "trace=oobleck", "trace.interval_s=-5")
     assert "sim.horizon_h" in refusal("simulate", "sim.horizon_h=0")
-    assert "sim.policies names ['magic']" in refusal("simulate", "sim.policies=[magic]")
+    assert "sim.policies[0]='magic': use chameleon, oracle," in refusal("simulate", "sim.policies=[magic]")
     assert "cluster.n_devices=8" in refusal("simulate", "cluster.n_devices=8")  # the 4-device recipe on 8
 
 

@@ -11,18 +11,27 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from chameleon.config import CONF_DIR, register_configs, to_config
+from chameleon.config import CONF_DIR, Backend, Device, Dtype, register_configs, to_config
+from chameleon.faults.spec import FaultKind, FaultSpec
 from chameleon.layout.plan import even_plan
 from chameleon.layout.relayout import manifest_parts, relayout
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
-from chameleon.runtime import codec
-from chameleon.runtime.beacon import Position
-from chameleon.runtime.faults import FaultSpec
-from chameleon.runtime.messages import (
-    Commit, CommitOrder, Dying, FinalShards, GenerationSpec, Hello, Moves, NodeSynced, Positions, Publish,
+from chameleon.runtime.protocol import codec
+from chameleon.runtime.protocol.messages import (
+    Commit,
+    CommitOrder,
+    Dying,
+    FinalShards,
+    GenerationSpec,
+    Hello,
+    Moves,
+    NodeSynced,
+    Positions,
+    Publish,
     sample_ranges,
 )
+from chameleon.runtime.protocol.position import Position
 
 
 def roundtrip(value):
@@ -70,6 +79,9 @@ def test_the_typed_config_travels_whole():
     assert roundtrip(hello) == hello
     assert isinstance(roundtrip(hello).config.failure.faults[0], FaultSpec)
     assert OmegaConf.to_object(cfg) == config
+    back = roundtrip(hello).config  # each vocabulary's member arrives as itself, not as its string
+    assert type(back.train.dtype) is Dtype and type(back.failure.faults[0].kind) is FaultKind
+    assert type(back.launcher.device) is Device and back.launcher.device.backend is Backend.gloo
 
 
 def frame(doc: object, blobs: bytes = b"") -> bytes:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chameleon.runtime.completion import polls_completion, post_p2p, wait_polled
+from chameleon.runtime.worker.completion import polls_completion, post_p2p, wait_polled
 
 TIMEOUT = timedelta(seconds=30)
 

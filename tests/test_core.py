@@ -7,27 +7,58 @@ announced before it strikes, the progress watchdog, a SIGTERM, checkpoints and a
 
 from __future__ import annotations
 
-import math
 from concurrent.futures import Executor, Future
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from chameleon.config import CONF_DIR, build_plan, pipelines_allowed, register_configs, to_config, validate
+from chameleon.config import CONF_DIR, build_plan, pipelines_allowed, register_configs, to_config
 from chameleon.decision.profiler import load_profile
-from chameleon.runtime.beacon import Position
-from chameleon.runtime.core import (
-    Admit, Broadcast, Close, Committed, Core, Fired, Lost, Preempt, Received, Record, Refuse, Registered,
-    SaveCheckpoint, Say, Send, Tick,
+from chameleon.faults.spec import FaultSpec
+from chameleon.runtime.control.core import (
+    Admit,
+    Broadcast,
+    Close,
+    Committed,
+    Core,
+    Fired,
+    Lost,
+    Preempt,
+    Received,
+    Record,
+    Refuse,
+    Registered,
+    SaveCheckpoint,
+    Send,
+    Tick,
 )
-from chameleon.runtime.errors import TrainingError
-from chameleon.runtime.faults import FaultSpec
-from chameleon.runtime.launch import LaunchError
-from chameleon.runtime.messages import (
-    Begin, Commit, Done, Dying, Exited, Flag, Hello, Lease, Moves, NodeReady, NodeSaved, NodeSynced, Noted, Positions,
-    Probe, Publish, Renew, Signal, Standby, Start, Welcome,
+from chameleon.runtime.node.preflight import check_job
+from chameleon.runtime.protocol.errors import LaunchError, TrainingError
+from chameleon.runtime.protocol.messages import (
+    Begin,
+    Commit,
+    Done,
+    Dying,
+    Exited,
+    Flag,
+    Hello,
+    Lease,
+    Moves,
+    NodeReady,
+    NodeSaved,
+    NodeSynced,
+    Noted,
+    Positions,
+    Probe,
+    Publish,
+    Renew,
+    Signal,
+    Standby,
+    Start,
+    Welcome,
 )
+from chameleon.runtime.protocol.position import Position
 
 B = 8
 
@@ -63,7 +94,7 @@ def config(*overrides: str):
             "launcher.nproc_per_node=2", "parallel.dp=2", "parallel.pp=2", f"train.global_batch={B}",
             "train.micro_batch=2", "train.steps=6", "model.n_layers=4", "model.dim=64", "cluster=a100_32",
             "failure=none", "ft.heartbeat_timeout_s=1.0", *overrides])
-    validate(cfg)
+    check_job(cfg)
     return to_config(cfg), build_plan(cfg)
 
 
@@ -179,6 +210,59 @@ def test_a_lease_lapses_into_a_lost_node_and_a_lease_is_answered():
     clock.advance(0.2)
     out = core.handle(Tick())
     assert sent(out, Flag) == [Flag(0)] and "missed its lease" in [e.event for e in of(out, Record)][0]["cause"]
+
+
+def test_a_node_taken_on_while_the_job_starts_is_leased_from_when_it_is_next_heard():
+    """Found at 8,192 devices: nodes busy starting their workers were lost at step 0 for a lease that began at
+    their registration. A lease now begins when a node is first heard from after the job took it on; one never
+    heard from is lost after launcher.join_timeout_s."""
+    clock = FakeClock()
+    core = core_of("launcher.join_timeout_s=30", clock=clock)
+    core.handle(Registered(hello(core, 1)))
+    clock.advance(5.0)  # node 1 registered long before node 0 (its lease would have lapsed at 1 s)
+    registered_out = core.handle(Registered(hello(core, 0)))
+    assert sent(registered_out, Publish)
+    clock.advance(10.0)  # the nodes start their workers, saying nothing for ten lease periods
+    assert not sent(core.handle(Tick()), Flag) and 1 in core.nodes
+    core.handle(Received(1, NodeReady(1, 0, (2, 3))))  # first heard: the lease runs from here
+    clock.advance(0.9)
+    assert not sent(core.handle(Tick()), Flag)
+    clock.advance(0.2)
+    assert sent(core.handle(Tick()), Flag) == [Flag(0)], "once heard from, a node keeps its lease"
+
+
+def test_a_node_never_heard_from_after_the_job_started_is_lost_after_the_join_timeout():
+    clock = FakeClock()
+    core = core_of("launcher.join_timeout_s=30", clock=clock)
+    registered(core)
+    clock.advance(29.9)
+    assert not sent(core.handle(Tick()), Flag)
+    clock.advance(0.2)
+    out = core.handle(Tick())
+    assert 1 not in core.nodes and "nothing heard for 30.1 s" in [e.event for e in of(out, Record)][0]["cause"]
+
+
+def test_a_four_node_loss_at_once_is_decided_from_the_precomputed_plans():
+    """ft.fault_domain_nodes=4 plans ahead for losing 1..4 whole nodes: four nodes whose leases lapse in one tick
+    are decided with no planner search on the fault path."""
+    clock = FakeClock()
+    core = core_of("launcher.nnodes=6", "parallel.dp=12", "parallel.pp=1", "train.global_batch=24",
+                   "ft.fault_domain_nodes=4", "policy.name=dynamic", clock=clock)
+    for node in range(6):
+        core.handle(Registered(hello(core, node)))
+    for node in range(6):
+        core.handle(Received(node, NodeReady(node, 0, (2 * node, 2 * node + 1))))
+    planners = (core.planner_, core.planner_.replicated)
+    searched = [set(p._searched) for p in planners]
+    clock.advance(1.5)
+    for node in (0, 5):
+        core.handle(Received(node, Lease(node, 0)))
+    out = core.handle(Tick())
+    (publish,) = sent(out, Publish)[-1:]
+    assert set(publish.spec.devices) == {0, 1, 10, 11} and publish.spec.plan.devices
+    assert [set(p._searched) for p in planners] == searched, "a loss of up to a rack needs no search"
+    faults = [e.event for e in of(out, Record) if e.event["event"] == "fault"]
+    assert sorted(d for f in faults for d in f["failed_ranks"]) == list(range(2, 10))
 
 
 def test_a_lease_is_judged_on_what_the_controller_read_not_on_its_own_stall():

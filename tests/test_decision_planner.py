@@ -118,3 +118,56 @@ def test_precomputed_shapes_serve_any_fault_that_leaves_as_many_units():
         searched = place(planner.choose(units, n_micro=16, micro_batch_size=1), plan, prof)
         assert est.estimate_step(prof, new).t_step == pytest.approx(est.estimate_step(prof, searched).t_step)
     assert table.plan_for(geometry_of(plan).units(range(2, 8)), plan, prof) is None, "six units left: not searched"
+
+
+class _Ticks:
+    """A clock that advances one second per reading: a bounded search expires after a known number of checks."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_a_bounded_search_returns_its_best_so_far_feasible_and_uncached(monkeypatch):
+    prof = tiny_profile(n_layers=8, memory_gb=0.006)
+    units = [(d,) for d in range(31)]
+    full = Planner(prof).best(units, n_micro=64, micro_batch_size=2).estimate.t_step
+    planner = Planner(prof)
+    monkeypatch.setattr("chameleon.decision.planner.time.perf_counter", _Ticks())
+    bounded = planner.within(20.0)
+    result = bounded.best(units, n_micro=64, micro_batch_size=2)
+    assert bounded.expired and not planner.expired
+    validate_plan(result.plan)
+    assert sorted(result.plan.devices) == list(range(31))
+    assert result.estimate.t_step >= full * (1 - 1e-9)  # anytime: never better than the whole search
+    assert planner._searched == {} and planner.replicated._searched == {}, "a cut-short search is not cached"
+
+
+def test_an_ample_budget_finds_the_unbounded_plan_and_shares_the_cache():
+    prof = tiny_profile(n_layers=8, memory_gb=0.006)
+    units = [(d,) for d in range(13)]
+    planner = Planner(prof)
+    bounded = planner.within(3600.0)
+    got = bounded.best(units, n_micro=64, micro_batch_size=2).estimate.t_step
+    assert not bounded.expired and (13, 64) in planner._searched
+    assert got == pytest.approx(Planner(prof).best(units, n_micro=64, micro_batch_size=2).estimate.t_step, rel=1e-12)
+    assert planner.within(None) is planner
+
+
+def test_a_budget_spent_before_any_plan_names_the_key(monkeypatch):
+    prof = tiny_profile(n_layers=8)
+    monkeypatch.setattr("chameleon.decision.planner.time.perf_counter", _Ticks())
+    with pytest.raises(PlanError, match=r"policy\.decide_budget_s"):
+        Planner(prof).within(0.5).choose([(d,) for d in range(7)], n_micro=16, micro_batch_size=1)
+
+
+def test_a_decisions_later_searches_reuse_what_its_budget_found(monkeypatch):
+    prof = tiny_profile(n_layers=8, memory_gb=0.006)
+    monkeypatch.setattr("chameleon.decision.planner.time.perf_counter", _Ticks())
+    bounded = Planner(prof).within(20.0)
+    units = [(d,) for d in range(31)]
+    first = bounded.choose(units, n_micro=64, micro_batch_size=2)
+    assert bounded.expired and bounded.choose(units, n_micro=64, micro_batch_size=2) == first

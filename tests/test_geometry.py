@@ -14,11 +14,17 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from chameleon.config import TrainConfig
 from chameleon.decision.selector import reroute_plan
 from chameleon.layout.geometry import (
-    EMBEDDING, Geometry, Part, UnitParams, geometry_of, state_bytes, tp_units,
+    EMBEDDING,
+    Geometry,
+    Part,
+    UnitParams,
+    geometry_of,
+    state_bytes,
+    tp_units,
 )
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage, even_plan, plan_from_spec
 from chameleon.layout.relayout import relabel_plan, relayout
-from chameleon.layout.spec import contains, device_holdings, layout_of, placements_for, region_numel, shard_region
+from chameleon.layout.spec import contains, device_holdings, placements_for, region_numel, shard_region
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
 
@@ -195,7 +201,7 @@ def test_buckets_rounds_and_elements():
 
 def test_state_bytes_are_what_the_runtime_keeps():
     """The table against a real stage's tensors: fp32 master, gradient and moments, and the bf16 forward copy."""
-    from chameleon.runtime.stage import KINDS, StageState, role_of
+    from chameleon.runtime.worker.stage import KINDS, StageState, role_of
 
     cfg = ModelConfig(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=20, multiple_of=8)
     plan = even_plan(dp=1, pp=1, tp=1, n_layers=2, global_batch=1, micro_batch=1)

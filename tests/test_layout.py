@@ -201,3 +201,16 @@ def test_dsatur_is_proper_and_exact_on_bipartite_graphs():
         side = [rng.random() < 0.5 for _ in range(n)]
         bipartite = [{u for u in adjacency[v] if side[u] != side[v]} for v in range(n)]
         assert max(dsatur(bipartite)) + 1 <= 2
+
+
+def test_a_large_plan_is_summarised_by_shape_and_a_small_one_described_whole():
+    small = even_plan(dp=2, pp=2, tp=1, n_layers=4, global_batch=8, micro_batch=2)
+    assert small.summary() == small.describe()
+    big = even_plan(dp=512, pp=2, tp=2, n_layers=4, global_batch=2048, micro_batch=2)
+    after = even_plan(dp=511, pp=2, tp=2, n_layers=4, global_batch=2044, micro_batch=2)
+    text = after.summary(big)
+    assert text.splitlines() == [
+        "511 × [0:2|2:4] tp2 ×2mb",
+        "511 pipelines on 2044 devices, 1022 micro-batches, 0 reroutes",
+        "changed: 4 devices out, 0 in, 512 → 511 pipelines",
+    ]

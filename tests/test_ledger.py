@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import pytest
 
-from chameleon.runtime.errors import TrainingError
-from chameleon.runtime.ledger import CheckpointComplete, CommitStep, Evaluation, Ledger, StartGeneration
-from chameleon.runtime.messages import NodeEvaluated, NodeReady, NodeSaved, NodeSynced, sample_ranges
+from chameleon.runtime.control.ledger import CheckpointComplete, CommitStep, Evaluation, Ledger, StartGeneration
+from chameleon.runtime.protocol.errors import TrainingError
+from chameleon.runtime.protocol.messages import NodeEvaluated, NodeReady, NodeSaved, NodeSynced, sample_ranges
+from chameleon.runtime.protocol.topology import Topology
 
 B = 4  # global batch
 
 
 def ledger(per_node: int = 1, **kw) -> Ledger:
-    led = Ledger(global_batch=B, steps=kw.pop("steps", 3), per_node=per_node, first_step=kw.pop("first_step", 0))
+    led = Ledger(global_batch=B, steps=kw.pop("steps", 3), topology=Topology(nnodes=3, per_node=per_node),
+                 first_step=kw.pop("first_step", 0))
     led.publish(0, members=(0, 1, 2), trainers=(0, 1), writers=(0,), resume_step=led.resume_step, **kw)
     return led
 
@@ -33,7 +35,7 @@ def synced(node: int, step: int, ids, generation: int = 0, loss: float = 1.0, de
 
 def started(led: Ledger) -> Ledger:
     for d in sorted(led.members):
-        led.on_ready(ready(d // led.per_node, led.generation, (d,)))
+        led.on_ready(ready(led.topology.node_of(d), led.generation, (d,)))
     return led
 
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ENV, Run, assert_nothing_lost, lingering, run_entry
 
 from benchmarks._loopback import Loopback
 from chameleon.report.compare import Drift
-from chameleon.runtime.beacon import Position
-from chameleon.runtime.messages import Exited
-from chameleon.runtime.wire import AuthError, connect, job_key
-from conftest import ENV, Run, assert_nothing_lost, lingering, run_entry
+from chameleon.runtime.node.wire import AuthError, connect, job_key
+from chameleon.runtime.protocol.messages import Exited
+from chameleon.runtime.protocol.position import Position
 
 NODES = 3
 # Six workers on three nodes: three pipelines of two stages, one pipeline per node.

@@ -1,22 +1,24 @@
 """Every command in the README runs as written; the long ones in a short mode (fewer steps, a shorter horizon).
 
 The set-up commands are what CI itself runs; the benchmark commands run in tests/test_benchmarks*.py.
-The loopback example runs whole, as the bash script it is, on a free port.
+The loopback example runs whole, as the bash script it is, on a free port; the two-host lines on two loopback
+addresses; the Slurm line with Slurm's variables as srun sets them.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import ENV
 
 from benchmarks._loopback import free_port_pair
-from conftest import ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -99,3 +101,43 @@ def test_readme_own_data_commands_run_as_written(tmp_path):
     summary = json.loads(Path(proc.stdout.strip().splitlines()[-1]).read_text())
     assert summary["steps_completed"] == 100 and [r["step"] for r in summary["recoveries"]] == [50]
     assert summary["final_val_loss"] is not None and summary["final_val_loss"] < summary["val_losses"][0][1]
+
+
+TWO_HOSTS = [c for c in commands() if "launcher.nnodes=2" in c]
+SLURM = next(c for c in commands() if c[0] == "srun")
+
+
+@pytest.mark.full
+def test_readme_two_host_lines_run_as_written(tmp_path):
+    """Node 0 on 127.0.0.1 (HOST0), node 1 on 127.0.0.2: the default job, its kill included, finishes on both."""
+    port = free_port_pair()
+    env = {**ENV, "CHAMELEON_SECRET": secrets.token_hex(16)}
+
+    def argv(node: int, extra: list[str]) -> list[str]:
+        words = [w.replace("HOST0", "127.0.0.1").replace("master_port=29500", f"master_port={port}")
+                 for w in TWO_HOSTS[node]]
+        return [sys.executable, *words[1:], f"hydra.run.dir={tmp_path / f'node{node}'}", *SHORT["train"], *extra]
+
+    other = subprocess.Popen(argv(1, ["launcher.node_addr=127.0.0.2"]), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env, cwd=tmp_path)
+    try:
+        head = subprocess.run(argv(0, []), capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+        _, other_err = other.communicate(timeout=60)
+    finally:
+        other.kill()
+    assert head.returncode == 0 and other.returncode == 0, head.stderr[-3000:] + other_err[-3000:]
+    summary = json.loads(Path(head.stdout.strip().splitlines()[-1]).read_text())
+    assert summary["steps_completed"] == 4 and [r["step"] for r in summary["recoveries"]] == [2]
+
+
+@pytest.mark.parametrize("node", [0, 3])
+def test_readme_slurm_line_reads_slurms_variables_and_is_refused_here_with_its_memory(tmp_path, node):
+    assert SLURM[:3] == ["srun", "--nodes=4", "--ntasks-per-node=1"] and SLURM[3] == "python"
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_NNODES": "4", "SLURM_NODEID": str(node), "SLURM_JOB_NODELIST": "localhost",
+             "CHAMELEON_SECRET": secrets.token_hex(16)}
+    proc = subprocess.run([sys.executable, *SLURM[4:], f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True,
+                          text=True, env={**ENV, **slurm}, cwd=tmp_path, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "over 32 devices" in lines[0] and "GiB" in lines[0]
+    assert not (tmp_path / "run").exists()  # refused before anything is written

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import SMALL_RUN, run_entry
 
 from chameleon.config import TrainConfig
 from chameleon.decision.config import ClusterConfig
 from chameleon.decision.profiler import KeptStorages, analytic_profile
 from chameleon.layout.memory import stage_memory
 from chameleon.model.config import ModelConfig
-from chameleon.model.spec import RECOMPUTE, spec_of
-from conftest import run_entry, SMALL_RUN
+from chameleon.model.spec import Recompute, spec_of
 
 LLAMA_CFG = ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, max_seq_len=64)
 GPT_CFG = ModelConfig(arch="gpt", dim=64, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=96, max_seq_len=64)
@@ -61,9 +61,9 @@ def test_what_a_layer_keeps_is_what_the_memory_model_counts(cfg):
     """Measured within 15 % of the model under none and selective; full keeps only the layer's input, here
     not counted (it is the stage's)."""
     spec = spec_of(cfg)
-    measured = {mode: kept_bytes(cfg, mode) for mode in RECOMPUTE}
+    measured = {mode: kept_bytes(cfg, mode) for mode in Recompute}
     model = {mode: 4 * spec.layer_activations(cfg, micro_batch=BATCH, seq_len=SEQ, recompute=mode)[0]
-             for mode in RECOMPUTE}
+             for mode in Recompute}
     for mode in ("none", "selective"):
         assert abs(measured[mode] - model[mode]) <= 0.15 * model[mode], (mode, measured, model)
     assert measured["full"] <= 0.15 * model["full"] and model["full"] == 4 * BATCH * SEQ * cfg.dim
@@ -77,7 +77,7 @@ def test_recomputation_makes_a_stage_fit_and_costs_compute():
     cluster = ClusterConfig(name="a100", kind="analytic", n_devices=8, devices_per_node=8, memory_gb=80.0,
                             dtype="bf16", peak_tflops=312.0, mfu=0.5, hbm_gbps=2000.0, intra_gbps=300.0, inter_gbps=25.0)
     need = {}
-    for mode in RECOMPUTE:
+    for mode in Recompute:
         profile = analytic_profile(cfg, cluster, micro_batch=1, seq_len=4096, tp=1, recompute=mode)
         need[mode] = stage_memory(profile.memory_costs, 16, first=True, last=False, in_flight=8)
         assert profile.layer_bwd_s >= 2 * profile.layer_fwd_s
@@ -94,7 +94,7 @@ def test_recomputation_makes_a_stage_fit_and_costs_compute():
 def test_a_run_with_recomputation_trains_like_one_without(tmp_path, layout):
     """Full recomputation reruns the TP all-reduces of a layer in its backward; selective the attention core."""
     runs = {mode: run_entry("train", tmp_path / mode, *SMALL_RUN, *layout, "failure=none", f"train.recompute={mode}")
-            for mode in RECOMPUTE}
+            for mode in Recompute}
     for run in runs.values():
         assert run.returncode == 0, run.stderr
     base = runs["none"].summary

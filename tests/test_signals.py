@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ENV, Run, lingering, run_entry
 
 from benchmarks._loopback import free_port_pair
 from benchmarks._processes import session_processes
@@ -22,7 +23,6 @@ from chameleon.model.config import ModelConfig
 from chameleon.model.llama import param_shapes
 from chameleon.report.compare import mismatches
 from chameleon.runtime.checkpoint import latest_checkpoint, verify_checkpoint
-from conftest import ENV, Run, lingering, run_entry
 
 STEPS = 150
 JOB = (f"train.steps={STEPS}", "model.dim=64", "model.n_layers=4", "train.global_batch=8", "train.micro_batch=2",

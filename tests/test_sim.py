@@ -17,7 +17,7 @@ from chameleon.config import CONF_DIR, register_configs
 from chameleon.decision import estimator as est
 from chameleon.decision.planner import place
 from chameleon.layout.geometry import geometry_of
-from chameleon.sim.config import POLICIES
+from chameleon.sim.config import SimPolicy
 from chameleon.sim.engine import POLICY_CLASSES, simulate
 from chameleon.sim.policies import Planning
 from chameleon.sim.traces import Event, oobleck_trace, poisson_trace, read_csv, write_csv
@@ -26,7 +26,7 @@ from tests.conftest import ENV
 
 register_configs()
 BASE = ("+recipe=llama7b", "cluster=ascend910b_32", "sim.progress=false", "sim.plots=false")
-ALL = POLICIES
+ALL = tuple(SimPolicy)
 
 
 def setup_for(*overrides: str):
@@ -41,7 +41,7 @@ def run_all(*overrides: str, policies=ALL):
 
 
 def test_every_policy_name_has_a_model():
-    assert set(POLICY_CLASSES) == set(POLICIES)
+    assert set(POLICY_CLASSES) == set(SimPolicy)
 
 
 def test_no_fault_runs_at_each_policys_own_failure_free_throughput():
@@ -205,11 +205,10 @@ def test_the_simulator_makes_the_runtimes_call_when_shards_of_two_replicas_survi
     some layers lost a device, each shard lives on somewhere. The simulated Chameleon and the runtime's coordinator
     see the same truth (nothing lost, the survivors regrouped) and, given the same precomputed plan, decide alike."""
     from chameleon.decision.config import ClusterConfig, PolicyConfig
-    from chameleon.decision.planner import Planner
+    from chameleon.decision.coordinator import Coordinator
     from chameleon.decision.profiler import analytic_profile
     from chameleon.layout.plan import even_plan
     from chameleon.model.config import ModelConfig
-    from chameleon.runtime.coordinator import Coordinator
     from chameleon.sim.config import SimConfig
     from chameleon.sim.engine import Setup, make_policy
     from chameleon.sim.policies import Fault

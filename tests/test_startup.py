@@ -18,13 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ENV, lingering
 
 from benchmarks._loopback import free_port_pair
 from chameleon import cli, train
-from chameleon.config import to_config, validate
-from chameleon.runtime.launch import LaunchError
-from chameleon.runtime.wire import Listener, connect, job_key
-from conftest import ENV, lingering
+from chameleon.config import to_config
+from chameleon.runtime.node.preflight import check_job
+from chameleon.runtime.node.wire import Listener, connect, job_key
+from chameleon.runtime.protocol.errors import LaunchError
 
 # A start's imports and its forkserver take 3-10 s on this 2-core host (21 s seen at load 17); a node that waits
 # instead of saying waits launcher.join_timeout_s, 120 s, so waiting cannot pass for saying.
@@ -103,7 +104,7 @@ def test_a_host_that_cannot_be_this_node_says_so_before_starting(tmp_path, node,
 
 def test_a_port_taken_after_the_check_is_the_same_one_line(tmp_path, monkeypatch):
     """Taken between the launch check and the controller's start: the controller's own bind says the same."""
-    from chameleon.runtime.controller import Controller
+    from chameleon.runtime.control.controller import Controller
 
     monkeypatch.setenv("CHAMELEON_SECRET", "s")
     port = free_port_pair()
@@ -111,7 +112,7 @@ def test_a_port_taken_after_the_check_is_the_same_one_line(tmp_path, monkeypatch
     train._prepare(cfg)  # free now
     job = to_config(cfg)
     with socket.create_server(("127.0.0.1", port)), pytest.raises(LaunchError) as err:
-        Controller(job, plan=validate(cfg), run_dir=tmp_path, secret="s")
+        Controller(job, plan=check_job(cfg), run_dir=tmp_path, secret="s")
     assert str(err.value).startswith(f"launcher.master_port={port} cannot be listened on here (Address already in use")
 
 

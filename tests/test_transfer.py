@@ -17,8 +17,8 @@ from chameleon.layout.relayout import relabel_plan, relayout
 from chameleon.layout.spec import layout_of
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import TP_RULES, param_shapes, stage_param_names
-from chameleon.runtime.comm import Generation, PeerFailure
-from chameleon.runtime.transfer import execute_manifest
+from chameleon.runtime.worker.comm import Generation, PeerFailure
+from chameleon.runtime.worker.transfer import execute_manifest
 
 WORLD = 4
 CFG = ModelConfig(dim=16, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=20, multiple_of=8)

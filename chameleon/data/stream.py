@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from enum import StrEnum
 from importlib import resources
 from pathlib import Path
 
@@ -25,9 +26,15 @@ import torch
 BUNDLED_CORPUS = "paradise_lost.txt"
 VOCAB_SIZE = 256
 SPLIT_SEED = 0x5EED  # the validation split and its windows depend on the corpus alone, not on train.seed
-PACKS = ("window", "document")
 _MASK64 = (1 << 64) - 1
 _PARAGRAPH = re.compile(rb"\n[ \t\r]*\n\s*")
+
+
+class Pack(StrEnum):
+    """``data.pack``: windows over the concatenated documents, or windows none of which straddles two."""
+
+    window = "window"
+    document = "document"
 
 
 def encode(text: str) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 
 @dataclass
@@ -32,6 +33,16 @@ class ClusterConfig:
     cache_dir: str = "~/.cache/chameleon/profiles"
 
 
+class Policy(StrEnum):
+    """``policy.name``: Eq. 8 picks the recovery (``chameleon``), or one strategy is forced."""
+
+    chameleon = "chameleon"
+    reroute = "reroute"
+    dynamic = "dynamic"
+    redundant = "redundant"
+    checkpoint = "checkpoint"
+
+
 @dataclass
 class PolicyConfig:
     """How the selector chooses and what the planner may search.
@@ -41,7 +52,7 @@ class PolicyConfig:
     estimate from the fault history with an MTBF prior worth ``prior_faults`` faults.
     """
 
-    name: str = "chameleon"  # chameleon | reroute | dynamic | redundant | checkpoint
+    name: Policy = Policy.chameleon  # chameleon | reroute | dynamic | redundant | checkpoint
     mtbf_prior_s: float = 6 * 3600.0
     prior_faults: float = 2.0
     fixed_d_s: float | None = None
@@ -49,6 +60,7 @@ class PolicyConfig:
     dp_degrees: list[int] = field(default_factory=list)  # allowed pipeline counts; empty = all
     pp_lengths: list[int] = field(default_factory=list)  # allowed pipeline lengths; empty = 1..n_layers
     precompute: bool = True  # plan every single next fault ahead of time
+    decide_budget_s: float | None = 3.0  # a live decision's plan searches stop here with their best (None: unbounded)
 
 
 @dataclass

@@ -26,6 +26,9 @@ Two searches cover the space:
   degree; a partition's front combinations are scored only when a lower bound
   (fastest splits for compute, lightest for sync and optimizer) can enter the top
   ``top_k``, which are then re-scored with the exact estimator.
+
+A search may be bounded in time (:meth:`Planner.within`): when its budget runs out it
+returns the best partitions found so far, an anytime answer that is not cached.
 """
 
 from __future__ import annotations
@@ -265,6 +268,10 @@ class _TopK:
         return [(-v, shape) for v, _, shape in sorted(self.heap, reverse=True)]
 
 
+class _Expired(Exception):
+    """A bounded search ran out of its budget."""
+
+
 class Planner:
     """Algorithm 1 over one profile: exact on small spaces, fast on large ones; caches across calls.
 
@@ -293,6 +300,25 @@ class Planner:
         self.lengths = tuple(lengths)
         self._rounds = lru_cache(maxsize=None)(self._round_params)
         self._searched: dict[tuple[int, int], list] = {}
+        self.deadline: float | None = None  # time.perf_counter() past which a search returns what it has
+        self.expired = False  # a search of this (bounded) planner ran out of time
+        self._cut: dict[tuple[int, int], list] = {}  # its searches cut short: reused by its own later calls only
+
+    def within(self, budget_s: float | None) -> "Planner":
+        """This planner, sharing its caches, whose searches stop ``budget_s`` seconds from now with the best
+        they found (None: unbounded, this planner itself)."""
+        if budget_s is None:
+            return self
+        bounded, twin = copy.copy(self), copy.copy(self.replicated)
+        bounded.deadline = twin.deadline = time.perf_counter() + budget_s
+        bounded._cut, twin._cut = {}, {}
+        bounded.__dict__["replicated"] = twin
+        return bounded
+
+    def _on_time(self) -> None:
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            self.expired = True
+            raise _Expired
 
     @cached_property
     def replicated(self) -> "Planner":
@@ -388,16 +414,17 @@ class Planner:
                 return False
         return True
 
-    def _exact(self, n_units: int, n_micro: int, seeds: list[Shape]) -> _TopK:
-        """Every multiset of pool splits, pruned by lower bounds against ``seeds`` (scored exactly) and finds."""
+    def _exact(self, n_units: int, n_micro: int, seeds: list[Shape], top: _TopK) -> None:
+        """Every multiset of pool splits into ``top``, pruned by lower bounds against ``seeds`` (scored exactly)
+        and finds."""
         pool = self.pool
-        top = _TopK(self.top_k)
         exact = {sp.layers: sp for sp in pool}
         for shape in seeds:
             shape = tuple((exact[sp.layers], c) for sp, c in shape)
             top.push(self.objective(dict(shape), n_micro), shape)
 
         def visit(start: int, remaining: int, shape: Shape, k: int, fill: float, params: int) -> None:
+            self._on_time()
             if remaining == 0:
                 if not self._allowed(k, n_micro):
                     return
@@ -423,11 +450,11 @@ class Planner:
                     visit(i + 1, remaining - c * sp.length, shape + ((sp, c),), k + c, f, q)
 
         visit(0, n_units, (), 0, 0.0, 0)
-        return top
 
     def _fast(self, n_units: int, n_micro: int, top: _TopK) -> None:
         """Partitions with ≤ 2 lengths × their front splits, skipped when a lower bound cannot enter ``top``."""
         for counts in self.partitions(n_units, n_micro):
+            self._on_time()
             lengths = sorted(counts)
             fronts = [self.fronts[p] for p in lengths]
             k = sum(counts.values())
@@ -436,20 +463,29 @@ class Planner:
                 if tau is None or tau + self._floor(max(fr[-1].max_params for fr in fronts), k) >= top.bound:
                     continue
             for combo in itertools.product(*fronts):
+                self._on_time()
                 shape = tuple((sp, counts[sp.length]) for sp in combo)
                 value = self.objective(dict(shape), n_micro)
                 if value is not None:
                     top.push(value, shape)
 
     def search(self, n_units: int, n_micro: int) -> list[tuple[float, dict[Split, int]]]:
-        """The ``top_k`` partitions ``{Split: count}`` by step time, best first (exact search when small); cached."""
+        """The ``top_k`` partitions ``{Split: count}`` by step time, best first (exact search when small); cached
+        unless the search ran out of its budget."""
         key = (n_units, n_micro)
-        if key not in self._searched:
-            top = _TopK(self.top_k)
+        for known in (self._searched, self._cut):
+            if key in known:
+                return known[key]
+        top = _TopK(self.top_k)
+        try:
             self._fast(n_units, n_micro, top)
             if self.exact_fits(n_units):
-                top = self._exact(n_units, n_micro, [shape for _, shape in top.best_first()])
-            self._searched[key] = [(v, dict(shape)) for v, shape in top.best_first()]
+                seeds, top = [shape for _, shape in top.best_first()], _TopK(self.top_k)
+                self._exact(n_units, n_micro, seeds, top)
+        except _Expired:
+            self._cut[key] = [(v, dict(shape)) for v, shape in top.best_first()]
+            return self._cut[key]
+        self._searched[key] = [(v, dict(shape)) for v, shape in top.best_first()]
         return self._searched[key]
 
     def build(self, counts: dict, units: list[tuple[int, ...]], *, n_micro: int, micro_batch_size: int) -> Plan:
@@ -470,6 +506,9 @@ class Planner:
             PlanError: When no partition fits the allowed lengths, DP degrees and memory.
         """
         top = self.search(len(units), n_micro) if units else []
+        if not top and self.expired:
+            raise PlanError(f"no plan for {len(units)} stage units found within the decision's budget "
+                            "(policy.decide_budget_s): raise it, or let the planner precompute (policy.precompute)")
         if not top:
             raise PlanError(
                 f"no plan for {len(units)} stage units: widen policy.pp_lengths / policy.dp_degrees, "

@@ -28,14 +28,12 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from chameleon.decision import estimator as est
-from chameleon.decision.config import PolicyConfig
+from chameleon.decision.config import Policy, PolicyConfig
 from chameleon.decision.measured import Measured
 from chameleon.decision.planner import Planner, Precomputed, precompute
 from chameleon.decision.profiler import Profile
 from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Reroute, Stage, validate_plan
-
-POLICIES = ("reroute", "dynamic", "redundant", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -404,6 +402,8 @@ def _checkpoint(profile, plan, units, planner, *, precomputed, fallback, measure
         return Candidate("checkpoint", False, "no device survives to reload it onto")
     options = replans(planner, units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size,
                       previous=None, precomputed=precomputed, domains=fallback.domains, measured=measured)
+    if not options:
+        raise PlanError("no plan to reload it onto")
     reloaded = replace(fallback, checkpoint_age_s=0.0)  # after the reload, the checkpoint is the state trained on
     out = []
     for target, _ in options:
@@ -438,8 +438,8 @@ def decide(
     idle; ``measured``: step times measured in this run. A forced policy that is infeasible falls back to the best
     feasible candidate, and the note says so; with none feasible, the note says what no survivor holds.
     """
-    if policy.name not in POLICIES + ("chameleon",):
-        raise ValueError(f"policy.name={policy.name!r}: use chameleon, {', '.join(POLICIES)}")
+    if policy.name not in list(Policy):
+        raise ValueError(f"policy.name={policy.name!r}: use {', '.join(Policy)}")
     d_s, source = estimate_d(policy, fault_times=list(fault_times), elapsed_s=elapsed_s)
     fallback = Fallback(checkpoint_interval_s=checkpoint_interval_s, elapsed_s=elapsed_s, domains=_alive(domains, failed))
     cands = candidates(

@@ -116,6 +116,27 @@ class Plan:
             lines.append(f"reroute pipe{r.pipeline} stage{r.stage} → pipes {','.join(map(str, r.hosts))}")
         return "\n".join(lines)
 
+    def summary(self, previous: Plan | None = None, *, limit: int = 8) -> str:
+        """:meth:`describe` when it takes at most ``limit`` lines; else one line per shape of pipeline (its
+        stages, TP degrees and micro-batches) with how many pipelines have it, and what changed from
+        ``previous``: for the terminal, with the whole plan in the run's records."""
+        if len(self.pipelines) + len(self.reroutes) <= limit:
+            return self.describe()
+        shapes: dict[str, int] = {}
+        for p in self.pipelines:
+            stages = "|".join(f"{s.layers[0]}:{s.layers[1]}" for s in p.stages)
+            tps = "/".join(map(str, sorted({s.tp for s in p.stages if s.devices}))) or "-"
+            key = f"[{stages}] tp{tps} ×{p.micro_batches}mb" + ("" if p.devices else " (rerouted)")
+            shapes[key] = shapes.get(key, 0) + 1
+        lines = [f"{count} × {key}" for key, count in sorted(shapes.items(), key=lambda kv: -kv[1])]
+        lines.append(f"{len(self.pipelines)} pipelines on {len(self.devices)} devices, {self.n_micro_batches} "
+                     f"micro-batches, {len(self.reroutes)} reroutes")
+        if previous is not None:
+            gone, new = set(previous.devices) - set(self.devices), set(self.devices) - set(previous.devices)
+            lines.append(f"changed: {len(gone)} devices out, {len(new)} in, {len(previous.pipelines)} → "
+                         f"{len(self.pipelines)} pipelines")
+        return "\n".join(lines)
+
 
 def micro_batch_ranges(plan: Plan) -> list[range]:
     """The global micro-batch indices each pipeline runs, as contiguous ranges."""

@@ -17,7 +17,7 @@ lists, for every region a device needs, where it comes from:
   (links are full duplex; a greedy edge colouring of the senders × receivers
   graph, heaviest link first); everything between two devices goes in one round.
 
-Nothing here touches a process group; :mod:`chameleon.runtime.transfer` executes
+Nothing here touches a process group; :mod:`chameleon.runtime.worker.transfer` executes
 a manifest.
 """
 

@@ -11,7 +11,7 @@ order, by simulating the step: every device's merged order is then a sub-order
 of one global topological order of the step's dependency graph, so with
 non-blocking sends no device can wait on another in a cycle.
 
-The runtime executes these lists (:mod:`chameleon.runtime.schedule`) and the
+The runtime executes these lists (:mod:`chameleon.runtime.worker.schedule`) and the
 estimator times them, so both follow one order.
 """
 

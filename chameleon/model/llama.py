@@ -229,7 +229,7 @@ def stage_forward(
         last: Apply the final norm and the output projection.
         targets: Int64 ``[b, s]`` next tokens; only with ``last``.
         tp: Tensor-parallel collectives when ``params`` are shards; None means none.
-        recompute: Activation recomputation (:data:`~chameleon.model.spec.RECOMPUTE`).
+        recompute: Activation recomputation (:class:`~chameleon.model.spec.Recompute`).
 
     Returns:
         Hidden states ``[b, s, dim]`` if not ``last``; else logits ``[b, s, vocab]``, or,

@@ -16,6 +16,7 @@ import math
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import partial
 from typing import Protocol
 
@@ -111,10 +112,16 @@ def head_output(logits: Tensor, targets: Tensor | None) -> Tensor:
     )
 
 
-RECOMPUTE = ("none", "selective", "full")
-"""``train.recompute``: keep every activation; keep a layer's matmul and attention outputs and recompute
+class Recompute(StrEnum):
+    """``train.recompute``: keep every activation; keep a layer's matmul and attention outputs and recompute
 its element-wise ops (norms, rotations, activations) in backward; or keep only each layer's input and
 recompute the whole layer."""
+
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
 SAVED_BY_SELECTIVE = frozenset(
     getattr(torch.ops.aten, name).default for name in (
         "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -128,7 +135,7 @@ def _selective(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def recomputed_layer(layer: Callable[[Tensor], Tensor], h: Tensor, recompute: str) -> Tensor:
-    """``layer(h)`` under ``recompute`` (:data:`RECOMPUTE`) while autograd records: ``full`` keeps only ``h`` and
+    """``layer(h)`` under ``recompute`` (:class:`Recompute`) while autograd records: ``full`` keeps only ``h`` and
     reruns the layer in backward; ``selective`` also keeps its matmul and attention outputs (op-level
     selective checkpointing) and reruns the rest."""
     if recompute == "none" or not torch.is_grad_enabled():
@@ -160,7 +167,7 @@ class ModelSpec:
         init_rule: ``(cfg, name) -> (mean, std)`` of a tensor's initial values (std 0: a constant).
         stage_forward: ``(params, cfg, x, *, layers, first, last, targets=None, tp=None, recompute="none")``:
             tokens or hidden states in; hidden states, logits or the summed loss out (``recompute``:
-            one of :data:`RECOMPUTE`, each layer through :func:`recomputed_layer`).
+            one of :class:`Recompute`, each layer through :func:`recomputed_layer`).
         tp_rules: Full-name regex → DTensor placements on a stage's 1-D TP mesh, first match wins.
         activation_elems: ``(cfg, *, micro_batch, seq_len, recompute="none") -> elements`` one layer
             keeps for backward per micro-batch (under a fused attention kernel: no ``s²`` probabilities).

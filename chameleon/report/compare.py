@@ -43,8 +43,24 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
 
 
+def length_difference(losses: list[float], reference: list[float],
+                      names: tuple[str, str] = ("the run", "the reference")) -> str:
+    """Which of two loss lists is shorter, and by how many steps; empty when they are as long."""
+    n, m = sorted((len(losses), len(reference)))
+    if n == m:
+        return ""
+    short, long = names if len(losses) < len(reference) else names[::-1]
+    return f"{short} has {m - n} step loss(es) fewer than {long} ({n}, not {m})"
+
+
 def loss_difference(a: list[float], b: list[float]) -> float:
-    """Largest per-step ``|a − b| / |b|``."""
+    """Largest per-step ``|a − b| / |b|``.
+
+    Raises:
+        ValueError: the two hold different numbers of steps.
+    """
+    if why := length_difference(a, b, ("the first", "the second")):
+        raise ValueError(why)
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
@@ -76,7 +92,9 @@ def mismatches(summary: dict, params: dict[str, torch.Tensor], reference: dict,
         return [f"{summary['steps_completed']} steps committed, not {reference['steps_completed']}"]
     if summary["sample_ids_digest"] != reference["sample_ids_digest"]:
         out.append("the steps trained other samples (sample digest differs)")
-    for step, (a, b) in enumerate(zip(summary["losses"], reference["losses"], strict=True)):
+    if why := length_difference(summary["losses"], reference["losses"]):
+        out.append(why)
+    for step, (a, b) in enumerate(zip(summary["losses"], reference["losses"])):  # the steps both have
         if abs(a - b) > drift.loss_tolerance * abs(b):
             out.append(f"loss of step {summary['first_step'] + step} is {a:.7g}, not {b:.7g} "
                        f"(bound {drift.loss_tolerance:.1e})")

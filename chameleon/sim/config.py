@@ -3,10 +3,39 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-POLICIES = (
-    "chameleon", "oracle", "dynamic", "reroute", "elaswave", "oobleck", "recycle", "bamboo", "checkpoint", "torchft",
-)
+
+class SimPolicy(StrEnum):
+    """``sim.policies``: the systems the simulator replays a trace under (Chameleon, its oracle, its fixed
+    strategies and the peers' baselines)."""
+
+    chameleon = "chameleon"
+    oracle = "oracle"
+    dynamic = "dynamic"
+    reroute = "reroute"
+    elaswave = "elaswave"
+    oobleck = "oobleck"
+    recycle = "recycle"
+    bamboo = "bamboo"
+    checkpoint = "checkpoint"
+    torchft = "torchft"
+
+
+class TraceKind(StrEnum):
+    """``trace.kind``: where faults and re-joins come from (see :class:`TraceConfig`)."""
+
+    poisson = "poisson"
+    oobleck = "oobleck"
+    csv = "csv"
+    none = "none"
+
+
+class Initial(StrEnum):
+    """``sim.initial``: the plan a simulation starts from, the recipe's or the planner's best."""
+
+    recipe = "recipe"
+    planner = "planner"
 
 
 @dataclass
@@ -26,7 +55,7 @@ class TraceConfig:
     ``none``: no fault.
     """
 
-    kind: str = "poisson"  # poisson | oobleck | csv | none
+    kind: TraceKind = TraceKind.poisson  # poisson | oobleck | csv | none
     seed: int = 0
     device_mtbf_h: float = 50_000.0
     node_mtbf_h: float | None = None
@@ -83,8 +112,8 @@ class SimConfig:
     """
 
     horizon_h: float = 24.0
-    policies: list[str] = field(default_factory=lambda: list(POLICIES))
-    initial: str = "recipe"  # recipe | planner
+    policies: list[SimPolicy] = field(default_factory=lambda: list(SimPolicy))
+    initial: Initial = Initial.recipe  # recipe | planner
     reference_idle: int = 16
     plots: bool = True
     progress: bool = True

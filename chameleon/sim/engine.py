@@ -20,11 +20,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tqdm import tqdm
-
 from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
 from chameleon.layout.plan import Plan
+from chameleon.report.progress import progress_bar
 from chameleon.sim import policies as pol
 from chameleon.sim.baselines.bamboo import BambooPolicy
 from chameleon.sim.baselines.checkpoint import CheckpointPolicy
@@ -32,7 +31,7 @@ from chameleon.sim.baselines.elaswave import ElasWavePolicy
 from chameleon.sim.baselines.oobleck import OobleckPolicy
 from chameleon.sim.baselines.recycle import RecyclePolicy
 from chameleon.sim.baselines.torchft import TorchftPolicy
-from chameleon.sim.config import POLICIES, SimConfig
+from chameleon.sim.config import SimConfig, SimPolicy
 from chameleon.sim.traces import Event
 
 POLICY_CLASSES: dict[str, type[pol.Policy]] = {
@@ -155,7 +154,7 @@ def make_policy(name: str, setup: Setup) -> pol.Policy:
         ValueError: On an unknown policy name.
     """
     if name not in POLICY_CLASSES:
-        raise ValueError(f"sim.policies: unknown policy {name!r}; use {', '.join(POLICIES)}")
+        raise ValueError(f"sim.policies: unknown policy {name!r}; use {', '.join(SimPolicy)}")
     return POLICY_CLASSES[name](name, setup)
 
 
@@ -175,7 +174,7 @@ def simulate(setup: Setup, name: str, events: tuple[Event, ...], *, horizon_s: f
     removals = [e.time_s for e in events if e.kind == "remove"]
     recoveries: list[dict] = []
     saves = _Saves(setup, run, blocking=policy.checkpoints == "blocking") if policy.checkpoints else None
-    for event in tqdm(events, desc=name, disable=not progress, leave=False):
+    for event in progress_bar(events, desc=name, wanted=progress, leave=False):
         if event.time_s >= horizon_s:
             break
         if saves:

@@ -1,0 +1,155 @@
+"""The recovery coordinator: a fault or a re-join → a decision → the next generation's plan and manifest.
+
+It calls the decision centre (selector, planner, estimator) and the layout code
+only; it touches no process and no store. The controller publishes what it returns.
+Which devices a new plan may use is the selector's reading of the resident plan's
+geometry: every live device, survivors of broken TP stages regrouped into units.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from chameleon.decision.config import PolicyConfig
+from chameleon.decision.estimator import estimate_step
+from chameleon.decision.measured import Measured
+from chameleon.decision.planner import Planner
+from chameleon.decision.profiler import Profile
+from chameleon.decision.selector import Decision, decide, decide_growth
+from chameleon.layout.geometry import writers
+from chameleon.layout.plan import Plan
+from chameleon.layout.relayout import Manifest, relayout
+from chameleon.layout.spec import Layout
+from chameleon.model.config import ModelConfig
+from chameleon.model.spec import spec_of
+
+LAYOUTS_KEPT = 4
+
+
+class NoRecovery(RuntimeError):
+    """No candidate plan is feasible after a loss; the message says which region was lost and why."""
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """The newest complete checkpoint: its committed steps, when that step committed, and its root."""
+
+    committed_steps: int
+    committed_at: float
+    root: Path
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A decided move to a new generation: its plan, where it resumes, and how state gets there."""
+
+    decision: Decision
+    plan: Plan
+    members: tuple[int, ...]
+    resume_step: int | None
+    manifest: Manifest | None
+    checkpoint: str | None
+
+    @property
+    def transition_s(self) -> float:
+        return self.decision.chosen.transition if self.decision.chosen else 0.0
+
+    @property
+    def estimated_step_s(self) -> float:
+        """The step time the selector scored the plan by: measured where its shape ran, else estimated."""
+        return self.decision.chosen.t_step
+
+
+class Coordinator:
+    """Turns faults and re-joins into generations (see the module doc)."""
+
+    def __init__(self, *, model: ModelConfig, profile: Profile, planner: Planner, policy: PolicyConfig,
+                 checkpoint_steps: int = 0, domains: tuple[tuple[int, ...], ...] | None = None):
+        """``checkpoint_steps``: committed steps between checkpoints (0: none); ``domains``: devices that fail
+        together (a node's), None when devices fail alone. Both price the next fault in each decision."""
+        self.profile, self.planner, self.policy = profile, planner, policy
+        self.checkpoint_steps, self.domains = checkpoint_steps, domains
+        self.model, self.spec = model, spec_of(model)
+        self.shapes = self.spec.param_shapes(model)
+        self._estimated: tuple[Plan | None, float] = (None, 0.0)
+        self._layouts: list[tuple[Plan, Layout]] = []
+
+    def layout(self, plan: Plan) -> Layout:
+        """``plan``'s layout; the last few plans' are kept (the resident plan's serves every fault of its
+        generation, a new plan's both its manifest and its checkpoint writers)."""
+        for known, layout in self._layouts:
+            if known is plan:
+                return layout
+        self._layouts = [(plan, self.spec.layout(self.model, plan)), *self._layouts[:LAYOUTS_KEPT - 1]]
+        return self._layouts[0][1]
+
+    def writers(self, plan: Plan) -> tuple[int, ...]:
+        """The devices that write checkpoints under ``plan``."""
+        return tuple(sorted(writers(self.layout(plan))))
+
+    def step_estimate(self, plan: Plan) -> float:
+        """The estimator's step time of ``plan`` (the last plan's is kept: the resident plan is asked often)."""
+        if self._estimated[0] is not plan:
+            self._estimated = (plan, estimate_step(self.profile, plan, reroute_slots=self.policy.reroute_slots).t_step)
+        return self._estimated[1]
+
+    def recover(
+        self, resident: Plan, *, alive: set[int], next_step: int, saved: SavedState | None, now: float,
+        fault_times: list[float], elapsed_s: float, precomputed: Plan | None, fresh: str | None = None,
+        measured: Measured = Measured(),
+    ) -> Transition:
+        """The generation after losing every device of ``resident`` not in ``alive``.
+
+        ``fresh`` (not None) when no generation has started yet: survivors hold no state
+        to move, so the new plan starts as the job does — from the checkpoint ``fresh``
+        names, or from initialisation when it is empty.
+
+        Raises:
+            NoRecovery: no candidate is feasible (some region lost with no checkpoint, says which).
+        """
+        failed = set(resident.devices) - alive
+        decision = decide(
+            self.profile, resident, failed, policy=self.policy, planner=self._bounded(), precomputed=precomputed,
+            fault_times=fault_times, elapsed_s=elapsed_s, idle=alive - set(resident.devices),
+            measured=measured, **self._fallback(resident, saved, now),
+        )
+        chosen = decision.chosen
+        if chosen is None:
+            raise NoRecovery(f"no recovery is possible after losing devices {sorted(failed)}: {decision.note}")
+        if chosen.name == "checkpoint":
+            return self._transition(decision, chosen.plan, alive, saved.committed_steps, None, str(saved.root))
+        if fresh is not None:
+            return self._transition(decision, chosen.plan, alive, next_step, None, fresh or None)
+        manifest = relayout(self.layout(resident), self.layout(chosen.plan), survivors=sorted(alive))
+        return self._transition(decision, chosen.plan, alive, next_step, manifest, None)
+
+    def _bounded(self) -> Planner:
+        """The planner, its searches bounded by ``policy.decide_budget_s`` from now (anytime: the best found)."""
+        return self.planner.within(self.policy.decide_budget_s)
+
+    def _fallback(self, resident: Plan, saved: SavedState | None, now: float) -> dict:
+        """What the selector needs to price the next fault: the checkpoint's age and interval, the fault domains."""
+        interval = self.checkpoint_steps * self.step_estimate(resident) if self.checkpoint_steps else None
+        return dict(checkpoint_age_s=now - saved.committed_at if saved else None, checkpoint_interval_s=interval,
+                    domains=self.domains, in_process=True)
+
+    def grow(self, resident: Plan, *, alive: set[int], joining: set[int], fault_times: list[float], elapsed_s: float,
+             saved: SavedState | None = None, now: float = 0.0, measured: Measured = Measured()) -> Transition | Decision:
+        """The grown generation when taking ``joining`` devices in pays (Eq. 8), else the decision to stay.
+
+        Its ``resume_step`` is left to the caller: the step after the commit it switches at.
+        """
+        idle = joining | (alive - set(resident.devices))
+        decision = decide_growth(self.profile, resident, idle, policy=self.policy, planner=self._bounded(),
+                                 fault_times=fault_times, elapsed_s=elapsed_s, measured=measured,
+                                 **self._fallback(resident, saved, now))
+        if decision.choice != "grow":
+            return decision
+        plan, members = decision.chosen.plan, alive | joining
+        manifest = relayout(self.layout(resident), self.layout(plan), survivors=sorted(members))
+        return self._transition(decision, plan, members, None, manifest, None)
+
+    def _transition(self, decision, plan, members, resume_step, manifest, checkpoint) -> Transition:
+        return Transition(decision, plan, tuple(sorted(members)), resume_step, manifest, checkpoint)
+

@@ -1,0 +1,166 @@
+"""Fault injection: fires a worker's pinned faults where it is, and a node's with real signals."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from chameleon.faults.spec import DEVICE_KINDS, NODE_KINDS, STEP_PHASES, STUCK_ABORT, FaultSpec
+from chameleon.runtime.node.beacon import Beacon
+from chameleon.runtime.protocol.errors import DeviceFault
+from chameleon.runtime.protocol.position import Position
+
+
+class WorkerFaults:
+    """Fires one worker's pinned faults; shows every phase change on its beacon.
+
+    Args:
+        faults: every worker-fired fault of the job (node faults are fired by the
+            node's first device with a stage, see :meth:`node_firer`).
+        device: this worker's device.
+        beacon: this worker's beacon.
+        announce: ``announce(fault, position)`` is called just before a fault fires; a node fault is
+            then fired by the node's agent, once the controller noted where it struck.
+        node_of: the node of a device.
+    """
+
+    def __init__(self, faults: list[FaultSpec], *, device: int, beacon: Beacon,
+                 announce: Callable[[FaultSpec, Position], None], node_of: Callable[[int], int]):
+        self.device, self.beacon = device, beacon
+        self._announce, self._node_of = announce, node_of
+        self._mine = [f for f in faults if f.rank == device and f.kind in DEVICE_KINDS]
+        self._node = [f for f in faults if f.kind in NODE_KINDS and f.node == node_of(device)]
+        self._firer = True
+        self._generation = 0
+        self._resume = 0
+        self._timer: threading.Timer | None = None
+        self._fired: set[FaultSpec] = set()
+        self._rng = random.Random(device)
+
+    def enter(self, generation: int, *, resume_step: int, firer: bool) -> None:
+        """Start on a generation; ``firer``: this device fires its node's faults in it."""
+        self._generation, self._resume, self._firer = generation, resume_step, firer
+
+    def phase(self, phase: str, *, step: int, detail: int = -1) -> None:
+        """Enter beacon phase ``phase`` of ``step`` (a recovery phase: of the recovery resuming at ``step``).
+
+        ``rebuild`` with ``detail < 0`` starts a generation (fires ``recovery`` faults);
+        with ``detail ≥ 0`` its first group is connected (fires ``rebuild`` faults).
+        """
+        self.beacon.at(phase, step=step, generation=self._generation, detail=detail)
+        recovering = self._generation > 0 and step == self._resume
+        for f in self._armed():
+            if f.step != step:
+                continue
+            hit = f.phase == phase and phase in STEP_PHASES
+            hit |= recovering and phase == "rebuild" and f.phase == ("recovery" if detail < 0 else "rebuild")
+            hit |= recovering and f.phase == "transfer" and phase == "transfer" and f.round in (None, detail)
+            hit |= recovering and f.phase == "redo" and phase == "forward"
+            if hit:
+                self._fire(f)
+
+    def transfer_done(self, step: int) -> None:
+        """A transfer this device took no (or not that) round in still fires its pinned transfer fault."""
+        if self._generation > 0 and step == self._resume:
+            for f in self._armed():
+                if f.step == step and f.phase == "transfer":
+                    self._fire(f)
+
+    def step_started(self, step: int, typical_s: float) -> None:
+        """Arm ``phase=any`` faults of ``step``: a timer over the step's typical compute time."""
+        due = [f for f in self._armed() if f.step == step and f.phase == "any"]
+        if due:
+            delay = self._rng.uniform(0.0, typical_s)
+            self._timer = threading.Timer(delay, self._fire, args=(due[0],))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def idle_step(self, step: int) -> None:
+        """A device the plan leaves idle takes part in no phase of ``step``: its faults of that step (and of the
+        redo, when a recovery resumes at it) fire as it starts."""
+        redo = self._generation > 0 and step == self._resume
+        self.beacon.at("idle", step=step, generation=self._generation)
+        for f in self._armed():
+            if f.step == step and (f.phase in STEP_PHASES or redo and f.phase == "redo"):
+                self._fire(f)
+
+    def step_synced(self) -> None:
+        """The step's compute is over: a pending ``any`` fault fires now, before the commit."""
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.is_alive():
+            timer.cancel()
+            self._fire(timer.args[0])
+
+    def abort_started(self) -> None:
+        """This device starts aborting a broken generation: an armed ``stuck_abort`` whose step was reached
+        blocks the abort for good (called on the aborting thread)."""
+        step = self.beacon.position().step
+        for f in self._mine:
+            if f.kind == STUCK_ABORT and f not in self._fired and f.step <= step:
+                self._fired.add(f)
+                self._announce(f, self.beacon.position())
+                threading.Event().wait()
+
+    def _armed(self) -> list[FaultSpec]:
+        node = self._node if self._firer else []
+        return [f for f in self._mine + node if f not in self._fired and f.kind != STUCK_ABORT]
+
+    def _fire(self, f: FaultSpec) -> None:
+        self._fired.add(f)
+        self._announce(f, self.beacon.position())
+        if f.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif f.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif f.kind == "stall":
+            threading.Event().wait()  # alive and heartbeating, never progressing
+        elif f.kind == "error":
+            raise RuntimeError(f"injected error ({f.describe()})")
+        elif f.kind == "device_error":
+            raise DeviceFault(f"injected device fault ({f.describe()})")
+        elif f.kind == "node_kill":
+            threading.Event().wait()  # the agent takes the whole node down, this process with it
+
+
+def kill_node(agent_pid: int) -> None:
+    """SIGKILL a node's agent and every process under it (forkserver, workers) at once, the caller last.
+
+    The agent's own process tree, not its process group: an agent started from a script shares the
+    script's group, which a node's loss must leave alone.
+    """
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_bytes().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [agent_pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    me = os.getpid()
+    for pid in [p for p in tree if p != me] + ([me] if me in tree else []):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def stop_and_resume(pid: int, after_s: float) -> None:
+    """SIGSTOP ``pid`` now and SIGCONT it ``after_s`` seconds later, from a detached helper process."""
+    subprocess.Popen(["sh", "-c", f"sleep {after_s}; kill -CONT {pid}"], start_new_session=True,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.kill(pid, signal.SIGSTOP)
+
+
+def typical(durations: list[float], default: float) -> float:
+    """The median of recent durations (the last 20), or ``default`` before any."""
+    recent = sorted(durations[-20:])
+    return recent[len(recent) // 2] if recent else default

@@ -1,0 +1,461 @@
+"""The typed messages between workers, node agents and the controller.
+
+Everything the control plane says travels as one of these frozen dataclasses,
+encoded by :mod:`chameleon.runtime.protocol.codec` (JSON and raw tensor bytes; never a
+pickle). Every message names the generation it belongs to: what a stale
+generation says is dropped. ``docs/protocol.md`` gives who sends what, when.
+
+- worker → its agent (a local pipe): what the worker did (ready, synced, saved…);
+- agent → controller (the authenticated link, or in-process on node 0): the
+  node's workers *aggregated* — one :class:`NodeReady`, :class:`NodeSynced` or
+  :class:`NodeSaved` per node, not per device — plus the rare per-device events
+  (an exit, a hang, an error, a return);
+- controller → agents: orders, and the *pushed* state of the job — a new
+  generation (:class:`Publish`), its start (:class:`Begin`), each commit
+  (:class:`Commit`), a fault (:class:`Flag`);
+- agent → its workers (a local pipe, and a shared-memory board for fault flags):
+  the pushed state, so a worker never polls the network while it trains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from chameleon.config import Config
+from chameleon.faults.spec import FaultSpec
+from chameleon.layout.plan import Pipeline, Plan, Reroute, Stage
+from chameleon.layout.relayout import Manifest, Move
+from chameleon.runtime.protocol import codec
+from chameleon.runtime.protocol.position import Position
+
+Samples = tuple[tuple[int, int], ...]
+"""Global sample ids as sorted, disjoint half-open ranges."""
+
+
+def sample_ranges(ids) -> Samples:
+    """``ids`` as sorted, merged half-open ranges (duplicates kept apart, so the ledger sees them)."""
+    out: list[list[int]] = []
+    for i in sorted(ids):
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return tuple((a, b) for a, b in out)
+
+
+# ----- the job's state, pushed down ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """One generation: its plan, its member devices, the step it resumes at, how state gets there
+    (a re-layout manifest from surviving replicas, or a checkpoint root), and its checkpoint writers."""
+
+    generation: int
+    plan: Plan
+    devices: tuple[int, ...]
+    resume_step: int
+    manifest: Manifest | None = None  # pushed apart, each node's part in a Moves before the Publish
+    checkpoint: str | None = None
+    writers: tuple[int, ...] = ()  # the devices that write its checkpoints
+    moves: bool = False  # state moves by a manifest (its part arrives as :class:`Moves`)
+    evaluated: int = -1  # the last step whose validation loss the job recorded (it is not taken again)
+
+    @cached_property
+    def device_set(self) -> frozenset[int]:
+        """The members, as a set."""
+        return frozenset(self.devices)
+
+
+@dataclass(frozen=True)
+class CommitOrder:
+    """What workers do after a committed step: save a checkpoint, then go on, stop, or switch generation."""
+
+    save: bool = False
+    stop: bool = False
+    switch_to: int | None = None
+
+
+@dataclass(frozen=True)
+class Moves:
+    """A node's part of a generation's re-layout manifest (:func:`chameleon.layout.relayout.manifest_for`),
+    pushed just before the generation's :class:`Publish`."""
+
+    generation: int
+    manifest: Manifest
+
+
+@dataclass(frozen=True)
+class Publish:
+    """A new generation, the same for every node (its manifest travels apart, as :class:`Moves`)."""
+
+    spec: GenerationSpec
+
+    @property
+    def generation(self) -> int:
+        return self.spec.generation
+
+
+@dataclass(frozen=True)
+class Begin:
+    """Every member of ``generation`` is ready: train from its resume step."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    """``step`` of ``generation`` committed: apply it (clipped by ``grad_norm``, the whole plan's), then ``order``."""
+
+    generation: int
+    step: int
+    order: CommitOrder
+    grad_norm: float | None
+    t_published: float  # the controller's clock when it sent the commit (latency measurements)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A member of ``generation`` was lost: abandon it."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class End:
+    """The job is over: a worker waiting for a generation leaves."""
+
+    generation: int
+
+
+# ----- worker → agent -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Standby:
+    """A worker is up, waiting for a generation that includes it."""
+
+    device: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A worker established ``generation``: groups connected, state in the new layout."""
+
+    device: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class Synced:
+    """A worker trained and synced ``step``: its summed loss, the samples its last stages trained, and its part
+    of the squared global gradient norm (when clipping)."""
+
+    device: int
+    generation: int
+    step: int
+    loss_sum: float
+    samples: Samples
+    compute_s: float
+    norm_sq: float | None = None
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A worker's part of the validation loss before ``step`` (``step == train.steps``: after the last)."""
+
+    device: int
+    generation: int
+    step: int
+    loss_sum: float
+
+
+@dataclass(frozen=True)
+class CheckpointSaved:
+    """A worker's part of the checkpoint of ``step`` (committed steps) is on disk."""
+
+    device: int
+    generation: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A worker hit an error that is not a peer's failure; ``device_fault`` when its own device is broken."""
+
+    device: int
+    generation: int
+    error: str
+    traceback: str
+    where: Position
+    device_fault: bool = False
+
+
+@dataclass(frozen=True)
+class Dying:
+    """A worker is about to fire an injected ``fault`` on itself (or, once :class:`Noted`, its agent on the node)."""
+
+    device: int
+    generation: int
+    fault: FaultSpec
+    t: float
+    where: Position
+
+
+@dataclass(frozen=True)
+class FinalShards:
+    """A worker's parameter shards after the last step: ``{name: (region, tensor)}``."""
+
+    device: int
+    generation: int
+    shards: dict
+
+
+@dataclass(frozen=True)
+class Done:
+    """A worker finished, after ``store_ops`` operations on the controller's store, its resident memory having
+    peaked at ``peak_rss`` bytes."""
+
+    device: int
+    generation: int
+    store_ops: int = 0
+    peak_rss: int = 0
+
+
+# ----- agent → controller ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """An agent registers its node: the devices it runs; ``returning`` after a fault or a restart."""
+
+    node: int
+    devices: tuple[int, ...]
+    pid: int
+    host: str
+    host_id: str
+    config: Config
+    returning: bool = False
+    generation: int = -1
+
+
+@dataclass(frozen=True)
+class Lease:
+    """An agent that sent nothing for a lease period renews its lease."""
+
+    node: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class NodeReady:
+    """Every member of ``generation`` on the node is ready."""
+
+    node: int
+    generation: int
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class NodeSynced:
+    """Every trainer of ``generation`` on the node synced ``step``: their summed loss, their samples, their
+    slowest compute, their summed squared norm, and when the last of them synced (the node's clock)."""
+
+    node: int
+    generation: int
+    step: int
+    devices: tuple[int, ...]
+    loss_sum: float
+    samples: Samples
+    compute_s: float
+    norm_sq: float | None
+    t_synced: float
+
+
+@dataclass(frozen=True)
+class NodeEvaluated:
+    """Every trainer of ``generation`` on the node took its part of the validation loss before ``step``: their sum."""
+
+    node: int
+    generation: int
+    step: int
+    devices: tuple[int, ...]
+    loss_sum: float
+
+
+@dataclass(frozen=True)
+class NodeSaved:
+    """Every checkpoint writer of ``generation`` on the node saved its part of the checkpoint at ``step``."""
+
+    node: int
+    generation: int
+    step: int
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Positions:
+    """An agent's answer to :class:`Probe`: each worker's position and how long its progress counter stood still."""
+
+    node: int
+    probe: int
+    positions: dict  # {device: (Position, quiet seconds)}
+
+
+@dataclass(frozen=True)
+class Exited:
+    """A worker process ended, at ``t_fault`` (when a fault was injected or a fence delivered, else
+    the last heartbeat it was seen alive at: ``t_fault_source`` says which)."""
+
+    device: int
+    generation: int
+    exitcode: int | None
+    where: Position
+    t_fault: float
+    t_fault_source: str
+
+
+@dataclass(frozen=True)
+class Hung:
+    """A worker's heartbeat stopped for ``silent_s`` (stopped or wedged): the controller decides to fence it."""
+
+    device: int
+    generation: int
+    where: Position
+    silent_s: float
+    t_last: float
+
+
+# ----- controller → agent ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Renew:
+    """The controller renews an agent's lease (it had nothing else to say)."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class Start:
+    """Start (or restart) the workers of ``devices``, each arming its ``faults``."""
+
+    generation: int
+    devices: tuple[int, ...]
+    faults: tuple[FaultSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class Inject:
+    """Fire ``fault`` now from outside the victim (a fault at a wall-clock time, or during a decision)."""
+
+    generation: int
+    fault: FaultSpec
+
+
+@dataclass(frozen=True)
+class Noted:
+    """The controller recorded a worker's :class:`Dying` of a node fault: its agent may take the node down."""
+
+    generation: int
+    device: int
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The progress watchdog asks every agent where its workers are (answered by :class:`Positions`)."""
+
+    generation: int
+    probe: int
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """The controller admits a node: the job's config, where its store is, and the workers to start."""
+
+    node: int
+    generation: int
+    config: Config
+    store_port: int
+    run_dir: str
+    start: Start
+
+
+@dataclass(frozen=True)
+class Signal:
+    """Send ``signum`` to the worker of ``device`` (fencing, or an injected fault)."""
+
+    generation: int
+    device: int
+    signum: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """The job is over (or the node is refused): stop every worker within ``grace_s`` and exit."""
+
+    generation: int
+    why: str
+    grace_s: float = 0.0
+    ended: bool = False  # the job itself ended (a late agent is told so, not refused)
+
+
+PUSHED = (Moves, Publish, Begin, Commit, Flag, End)
+"""What an agent forwards to its workers."""
+
+def _pack_plan(plan: Plan) -> list:
+    pipelines = [[p.micro_batches, [[*st.layers, list(st.devices)] for st in p.stages]] for p in plan.pipelines]
+    return [plan.n_layers, plan.micro_batch_size, pipelines, [[r.pipeline, r.stage, list(r.hosts)] for r in plan.reroutes]]
+
+
+def _unpack_plan(packed: list) -> Plan:
+    n_layers, micro_batch_size, pipelines, reroutes = packed
+    return Plan(n_layers, micro_batch_size,
+                tuple(Pipeline(tuple(Stage(tuple(devices), (lo, hi)) for lo, hi, devices in stages), micro)
+                      for micro, stages in pipelines),
+                tuple(Reroute(j, s, tuple(hosts)) for j, s, hosts in reroutes))
+
+
+def _pack_moves(moves) -> list:
+    return [[m.name, [list(r) for r in m.region], m.src, m.dst, m.nbytes] for m in moves]
+
+
+def _unpack_moves(packed: list) -> tuple[Move, ...]:
+    return tuple(Move(name, _region(r), src, dst, nbytes) for name, r, src, dst, nbytes in packed)
+
+
+def _pack_held(held: dict) -> list:
+    return [[d, [[name, [list(r) for r in region]] for name, region in regions.items()]] for d, regions in held.items()]
+
+
+def _unpack_held(packed: list) -> dict:
+    return {d: {name: _region(r) for name, r in regions} for d, regions in packed}
+
+
+def _region(packed: list) -> tuple[tuple[int, int], ...]:
+    return tuple(tuple(r) for r in packed)
+
+
+def _pack_manifest(m: Manifest) -> list:
+    return [_pack_moves(m.local), [_pack_moves(r) for r in m.rounds], _pack_held(m.before), _pack_held(m.after),
+            sorted(m.kept)]
+
+
+def _unpack_manifest(packed: list) -> Manifest:
+    local, rounds, before, after, kept = packed
+    return Manifest(_unpack_moves(local), tuple(_unpack_moves(r) for r in rounds), _unpack_held(before),
+                    _unpack_held(after), frozenset(kept))
+
+
+codec.register_packed(Plan, pack=_pack_plan, unpack=_unpack_plan)
+codec.register_packed(Manifest, pack=_pack_manifest, unpack=_unpack_manifest)
+codec.register(
+    Pipeline, Stage, Reroute, Move, Position, FaultSpec, GenerationSpec, CommitOrder,
+    Moves, Publish, Begin, Commit, Flag, End, Standby, Ready, Synced, Evaluated, CheckpointSaved, Failed, Dying,
+    FinalShards, Done,    Hello, Lease, NodeReady, NodeSynced, NodeEvaluated, NodeSaved, Positions, Exited, Hung,
+    Renew, Start, Inject, Noted, Probe, Welcome, Signal, Shutdown,
+)
+codec.register_tree(Config)

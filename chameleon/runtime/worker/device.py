@@ -1,0 +1,67 @@
+"""Device selection per worker: CPU (gloo), CUDA (nccl) or Ascend NPU (hccl via torch_npu)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from chameleon.runtime.protocol.errors import DeviceFault
+
+
+def device_module(kind: str):
+    """``torch.cuda`` or ``torch.npu`` once the device kind is found; torch_npu is imported only for ``npu``.
+
+    Raises:
+        RuntimeError: naming ``launcher.device`` and the fix when no such device or its install is missing.
+    """
+    if kind not in ("cuda", "npu"):
+        raise RuntimeError(f"launcher.device={kind!r}: use cpu, cuda or npu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("launcher.device=cuda but no CUDA device is visible: use launcher.device=cpu")
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device and hccl)
+        except ImportError as err:
+            raise RuntimeError(
+                f"launcher.device=npu needs torch_npu matching torch {torch.__version__} and the Ascend CANN "
+                f"toolkit (pip install 'chameleon[npu]'): {err}"
+            ) from err
+    return getattr(torch, kind)
+
+
+def prepare_device(kind: str, *, local_rank: int, own_device: bool = False) -> torch.device:
+    """Bind this worker to its device; torch_npu is imported only when ``kind == "npu"``.
+
+    Workers take the visible devices in turn (``local_rank`` modulo their count: gloo lets
+    several share one). With ``own_device`` (NCCL, HCCL: a device per worker) a worker past the
+    visible devices is refused instead of wrapped onto another worker's.
+
+    Raises:
+        RuntimeError: naming ``launcher.device`` when the backend is not available, or
+            ``launcher.nproc_per_node`` when this worker has no device of its own.
+    """
+    if kind == "cpu":
+        return torch.device("cpu")
+    module = device_module(kind)
+    count = module.device_count()
+    if own_device and local_rank >= count:
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES" if kind == "cuda" else "ASCEND_RT_VISIBLE_DEVICES")
+        raise RuntimeError(
+            f"launcher.nproc_per_node: worker {local_rank} of this node needs a {kind} device of its own and "
+            f"{count} are visible" + (f" (visible devices: {hidden})" if hidden is not None else "") +
+            f": use launcher.nproc_per_node={count}, or launcher.backend=gloo to share devices")
+    index = local_rank % count
+    module.set_device(index)
+    return torch.device(kind, index)
+
+
+def is_device_fault(error: BaseException) -> bool:
+    """True when ``error`` says this worker's own device is broken (handled as the loss of that device).
+
+    That is an injected :class:`DeviceFault` or an accelerator error (``torch.AcceleratorError``:
+    a CUDA/NPU fault such as an illegal access or an uncorrectable ECC error). Out-of-memory and
+    every other error are the run's own and stop it.
+    """
+    accelerator = getattr(torch, "AcceleratorError", ())
+    return isinstance(error, DeviceFault) or bool(accelerator) and isinstance(error, accelerator)

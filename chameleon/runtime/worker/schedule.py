@@ -1,0 +1,212 @@
+"""The executor that runs one step of a plan's 1F1B action lists (:mod:`chameleon.layout.schedule`).
+
+Messages carry a tag per (pipeline, sending stage, direction), so a pair of
+devices exchanging several kinds of traffic can never mismatch them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from chameleon.config import TrainConfig
+from chameleon.data.stream import SampleStream, micro_batch_samples
+from chameleon.layout.colouring import SyncGroup
+from chameleon.layout.plan import Plan, micro_batch_ranges
+from chameleon.layout.schedule import Action, executors
+from chameleon.layout.spec import Region
+from chameleon.model.config import ModelConfig
+from chameleon.model.spec import TensorParallelOps, spec_of
+from chameleon.runtime.worker.comm import Generation
+from chameleon.runtime.worker.stage import StageState
+
+SyncRounds = tuple[tuple[SyncGroup, ...], ...]
+MAX_STAGES = 1 << 12
+
+
+def message_tag(pipeline: int, sender_stage: int, backward: bool) -> int:
+    """The tag of activations (forward) or gradients (backward) a stage of a pipeline sends."""
+    return (pipeline * MAX_STAGES + sender_stage) * 2 + int(backward)
+
+
+@dataclass
+class StepResult:
+    """What one device contributes to a step: summed loss, the samples it trained (last stages), and its part
+    of the squared global gradient norm (when clipping)."""
+
+    loss_sum: float = 0.0
+    sample_ids: list[int] = field(default_factory=list)
+    norm_sq: float | None = None  # Σ‖g‖² over this device's pieces of the plan's gradient, when train.clip_norm > 0
+
+
+class _Forwards:
+    """The forward of one action of a step: its inputs (tokens or the previous stage's activations), its output,
+    and the send of that output to the next stage (the activations' peer is the executor of the same rank)."""
+
+    def __init__(self, *, plan: Plan, state: StageState, stream: SampleStream, gen: Generation, model: ModelConfig,
+                 train: TrainConfig, tp: TensorParallelOps | None):
+        self.plan, self.state, self.stream, self.gen, self.model, self.train, self.tp = (
+            plan, state, stream, gen, model, train, tp)
+        self.first_micro = [r.start for r in micro_batch_ranges(plan)]
+        self.hidden_shape = (plan.micro_batch_size, train.seq_len, model.dim)
+        self.sends = []
+
+    def hidden(self) -> torch.Tensor:
+        return torch.empty(self.hidden_shape, device=self.state.device, dtype=self.state.compute_dtype)
+
+    def __call__(self, action: Action, batch: int) -> tuple[torch.Tensor, torch.Tensor, range, bool]:
+        """``(input, output, sample ids, counts)`` of forward ``action`` of global batch ``batch``; the output is the
+        summed token loss on a last stage (``counts``: this device adds it up, the TP group's first)."""
+        plan, gen, p, s, i = self.plan, self.gen, action.pipeline, action.stage, action.micro
+        pipe = plan.pipelines[p]
+        first, last = s == 0, s == pipe.n_stages - 1
+        t = executors(plan, p, s, i).index(gen.me)
+        ids = micro_batch_samples(batch, self.first_micro[p] + i, global_batch=self.train.global_batch,
+                                  micro_batch_size=plan.micro_batch_size)
+        if first or last:
+            tokens, targets = (x.to(self.state.device) for x in self.stream.batch(ids))
+        if first:
+            x = tokens
+        else:
+            x = self.hidden()
+            src = executors(plan, p, s - 1, i)[t]
+            gen.wait(gen.recv(x, src, tag=message_tag(p, s - 1, False)), peer=src)
+            x.requires_grad_(torch.is_grad_enabled())
+        out = spec_of(self.model).stage_forward(
+            self.state.params, self.model, x, layers=pipe.stages[s].layers, first=first, last=last,
+            targets=targets if last else None, tp=self.tp, recompute=self.train.recompute,
+        )
+        if not last:
+            self.sends.append(gen.send(out.detach().contiguous(), executors(plan, p, s + 1, i)[t],
+                                       tag=message_tag(p, s, False)))
+        return x, out, ids, last and t == 0
+
+
+def run_step(
+    step: int,
+    *,
+    plan: Plan,
+    actions: list[Action],
+    state: StageState,
+    stream: SampleStream,
+    gen: Generation,
+    model: ModelConfig,
+    train: TrainConfig,
+    rounds: SyncRounds,
+    tp: TensorParallelOps | None,
+    norm_regions: Mapping[str, Region] | None = None,
+    on_phase: Callable[..., None] | None = None,
+) -> StepResult:
+    """Forward and backward of this device's actions, the gradient sync, its part of the norm (no optimizer step).
+
+    The loss of every micro-batch is its summed token cross-entropy divided by
+    ``global_batch · seq_len``, so gradients summed over pipelines equal the
+    single-process gradient of the mean loss. With ``train.clip_norm > 0`` the
+    sum of squares of this device's pieces of the gradient follows the sync
+    (``norm_regions``, its part of :func:`chameleon.layout.geometry.writers`: over the plan they tile
+    every tensor once, whatever the pipelines, TP degrees and reroutes); the
+    controller adds the parts up, so the global norm costs no collective.
+    ``on_phase(phase, step=, detail=)`` is called as each forward/backward (detail:
+    the micro-batch) and each sync round starts: the worker's beacon and its fault
+    injection hook in there.
+    """
+    scale = 1.0 / (train.global_batch * train.seq_len)
+    forward = _Forwards(plan=plan, state=state, stream=stream, gen=gen, model=model, train=train, tp=tp)
+    result = StepResult()
+    saved: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    for action in actions:
+        p, s, i = action.pipeline, action.stage, action.micro
+        if on_phase is not None:
+            on_phase("forward" if action.kind == "F" else "backward", step=step, detail=i)
+        if action.kind == "F":
+            x, out, ids, counts = forward(action, step)
+            if s == plan.pipelines[p].n_stages - 1:
+                out = out * scale
+                if counts:
+                    result.loss_sum += out.item()
+                    result.sample_ids.extend(ids)
+            saved[(p, s, i)] = (x, out)
+            continue
+        x, out = saved.pop((p, s, i))
+        t = executors(plan, p, s, i).index(gen.me)
+        if s == plan.pipelines[p].n_stages - 1:
+            out.backward()
+        else:
+            grad = forward.hidden()
+            src = executors(plan, p, s + 1, i)[t]
+            gen.wait(gen.recv(grad, src, tag=message_tag(p, s + 1, True)), peer=src)
+            out.backward(grad)
+        if s > 0:
+            forward.sends.append(gen.send(x.grad.contiguous(), executors(plan, p, s - 1, i)[t], tag=message_tag(p, s, True)))
+    gen.wait(*forward.sends)
+    sync_gradients(rounds, state=state, gen=gen, on_round=None if on_phase is None else partial(on_phase, "sync", step=step))
+    if train.clip_norm > 0:
+        result.norm_sq = state.grad_sum_of_squares(norm_regions or {}).item()
+    return result
+
+
+def evaluate(
+    step: int,
+    *,
+    plan: Plan,
+    actions: list[Action],
+    state: StageState,
+    stream: SampleStream,
+    gen: Generation,
+    model: ModelConfig,
+    train: TrainConfig,
+    tp: TensorParallelOps | None,
+    on_phase: Callable[..., None] | None = None,
+) -> float:
+    """The validation loss before step ``step``, this device's part: forward only, nothing kept or committed.
+
+    The plan's pipelines run ``train.eval_batches`` global batches of validation
+    samples (batch ``j`` holds samples ``[j·B, (j+1)·B)``, split over pipelines as a
+    step's are) in the forward order of the step's 1F1B lists; each last stage
+    adds up its summed token loss over ``eval_batches · global_batch · seq_len``,
+    so the parts of all devices sum to the mean token loss. ``on_phase("eval",
+    step=step, detail=j)`` is called as batch ``j`` starts.
+    """
+    forward = _Forwards(plan=plan, state=state, stream=stream, gen=gen, model=model, train=train, tp=tp)
+    forwards = [a for a in actions if a.kind == "F"]
+    total = torch.zeros((), dtype=torch.float64, device=state.device)
+    with torch.no_grad():
+        for batch in range(train.eval_batches):
+            if on_phase is not None:
+                on_phase("eval", step=step, detail=batch)
+            for action in forwards:
+                _, out, _, counts = forward(action, batch)
+                if counts:
+                    total += out.double()
+            gen.wait(*forward.sends)
+            forward.sends.clear()
+    return total.item() / (train.eval_batches * train.global_batch * train.seq_len)
+
+
+def sync_gradients(
+    rounds: SyncRounds, *, state: StageState, gen: Generation, on_round: Callable[..., None] | None = None
+) -> None:
+    """Sum every gradient over the devices holding the same shard, round by coloured round.
+
+    Every device walks the same rounds in the same order; within a round the
+    groups are device-disjoint, so this device is in at most one and reduces one bucket.
+    ``on_round(detail=r)`` is called as round ``r`` starts (before the first, even with no rounds).
+    """
+    if on_round is not None and not rounds:
+        on_round(detail=-1)
+    for r, groups in enumerate(rounds):
+        if on_round is not None:
+            on_round(detail=r)
+        for sync in groups:
+            if gen.me not in sync.devices:
+                continue
+            grads = state.grads(sync.names)
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            gen.all_reduce(flat, sync.devices)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
