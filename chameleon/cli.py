@@ -27,9 +27,8 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from chameleon.config import CONF_DIR, RECIPES_DIR, Config, ConfigError, register_configs
 from chameleon.model.config import ModelConfig
-from chameleon.runtime.protocol.errors import LaunchError
+from chameleon.runtime.protocol.errors import ExitCode, LaunchError
 
-EXIT_CONFIG = 2
 _PASS_THROUGH = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--resolve", "--package", "-p", "--shell-completion",
                  "-sc", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun")
 
@@ -59,7 +58,7 @@ def run(entry: str, usage: str, hydra_main: Callable[[], None], check: Callable[
 def fail(err: BaseException) -> None:
     """Print a config or launch error as one line and exit 2."""
     print(refusal(err), file=sys.stderr, flush=True)
-    sys.exit(EXIT_CONFIG)
+    sys.exit(ExitCode.CONFIG)
 
 
 def refusal(err: BaseException) -> str:

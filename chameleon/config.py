@@ -78,6 +78,14 @@ class OnFault(StrEnum):
     exit = "exit"
 
 
+class OnCorrupt(StrEnum):
+    """``ft.on_corrupt``: what becomes of a device whose own gradients were not finite in a step whose replay was:
+    kept (the fault was transient), or evicted and recovered as a lost device."""
+
+    replay = "replay"
+    evict = "evict"
+
+
 @dataclass
 class TrainConfig:
     steps: int = 100
@@ -170,6 +178,11 @@ class FaultToleranceConfig:
     # recover: survive faults in place. exit: like torchrun, stop every worker and exit 3 so an outer
     # scheduler relaunches the job (with ckpt.resume) — the restart path Chameleon is measured against.
     on_fault: OnFault = OnFault.recover
+    # A step whose gradient norm or loss is not finite is never committed: it is replayed (its samples are a pure
+    # function of their ids). A finite replay means the fault was transient; the device whose own gradients were
+    # not finite is named, and kept (replay) or evicted as a lost device (evict). A replay not finite again stops
+    # the run, naming the step and its samples (the data or the model diverged).
+    on_corrupt: OnCorrupt = OnCorrupt.replay
 
 
 @dataclass

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from chameleon import cli
 from chameleon.config import CONF_DIR, ConfigError, model_config, register_configs, to_config, to_container
+from chameleon.runtime.protocol.errors import ExitCode, JobRestart, LaunchError, Preempted, TrainingError, exit_code_of
 
 USAGE = """
 usage: python -m chameleon.train [+recipe=NAME] [GROUP=OPTION ...] [KEY=VALUE ...] [--multirun]
@@ -39,7 +40,6 @@ final_params.pt, checkpoints/. Exit codes: 0 trained; 1 training failed (one lin
 130 interrupted (Ctrl-C).
 """
 
-EXIT_FAILED, EXIT_RELAUNCH, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 3, 4, 130
 _RUN_FILES = ("summary.json", "events.jsonl", "metrics.jsonl")
 
 register_configs()
@@ -60,7 +60,6 @@ def _job(cfg: DictConfig) -> None:
     from chameleon.runtime.checkpoint import CheckpointError
     from chameleon.runtime.control.controller import run_training
     from chameleon.runtime.node.launch import job_secret
-    from chameleon.runtime.protocol.errors import JobRestart, LaunchError, Preempted, TrainingError
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -73,16 +72,8 @@ def _job(cfg: DictConfig) -> None:
         with live_mirrors(run_dir, tensorboard=cfg.report.tensorboard, wandb=cfg.report.wandb,
                           config=to_container(cfg)):
             summary = run_training(to_config(cfg), plan=plan, run_dir=run_dir, secret=secret)
-    except LaunchError as err:
-        ending = cli.refusal(err), cli.EXIT_CONFIG
-    except JobRestart as err:
-        ending = f"chameleon: {err}", EXIT_RELAUNCH
-    except Preempted as err:
-        ending = f"chameleon: preempted: {err}", EXIT_PREEMPTED
-    except (TrainingError, CheckpointError, OSError) as err:
-        ending = f"chameleon: training failed: {err}", EXIT_FAILED
-    except KeyboardInterrupt:
-        ending = "chameleon: interrupted (Ctrl-C); every worker is stopped", EXIT_INTERRUPTED
+    except (LaunchError, TrainingError, CheckpointError, OSError, KeyboardInterrupt) as err:
+        ending = _ending(err), exit_code_of(err)
     finally:
         if cfg.report.plots:
             plot_run(run_dir)
@@ -93,6 +84,19 @@ def _job(cfg: DictConfig) -> None:
 
         export_hf(torch.load(run_dir / "final_params.pt", weights_only=True), model_config(cfg), run_dir / "hf")
     print(summary, flush=True)
+
+
+def _ending(err: BaseException) -> str:
+    """The one line a run that ``err`` ended says last."""
+    if isinstance(err, LaunchError):
+        return cli.refusal(err)
+    if isinstance(err, JobRestart):
+        return f"chameleon: {err}"
+    if isinstance(err, Preempted):
+        return f"chameleon: preempted: {err}"
+    if isinstance(err, KeyboardInterrupt):
+        return "chameleon: interrupted (Ctrl-C); every worker is stopped"
+    return f"chameleon: training failed: {err}"
 
 
 def _stop(line: str, code: int) -> None:
@@ -108,7 +112,6 @@ def _prepare(cfg: DictConfig) -> None:
     """Refuse what cannot run before Hydra writes anything; on a node other than 0, serve as its agent."""
     from chameleon.runtime.node.launch import job_secret
     from chameleon.runtime.node.preflight import check_job, node_problem
-    from chameleon.runtime.protocol.errors import LaunchError
 
     check_job(cfg)
     job_secret(cfg.launcher.nnodes)
@@ -149,7 +152,7 @@ def _serve_node(cfg: DictConfig) -> int:
     except KeyboardInterrupt:
         stop_forkserver()
         print(f"chameleon agent {launcher.node_rank}: interrupted; its workers are stopped", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
 
 
 def main() -> None:

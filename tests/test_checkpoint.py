@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import rot
 
 from chameleon.layout.geometry import LostStateError, writers
 from chameleon.layout.plan import Pipeline, Plan, Stage, even_plan, plan_from_spec
@@ -18,11 +19,15 @@ from chameleon.model.llama import TP_RULES, param_shapes, stage_param_names
 from chameleon.runtime.checkpoint import (
     CheckpointError,
     CheckpointWriter,
+    DamagedCheckpoint,
+    checkpoint_at,
     commit_checkpoint,
     config_digest,
     latest_checkpoint,
     load_regions,
     step_dir,
+    verify_checkpoint,
+    whole_checkpoint,
 )
 
 CFG = ModelConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16)
@@ -228,3 +233,55 @@ def test_a_committed_checkpoint_is_never_rewritten(tmp_path):
         w.save_async(1, {"param": {"norm": torch.ones(32)}}, regions={"norm": ((0, 32),)}, committed_steps=1)
     with pytest.raises(CheckpointError, match="has shape"):
         w.save_async(2, {"param": {"norm": torch.ones(31)}}, regions={"norm": ((0, 32),)}, committed_steps=2)
+
+
+def test_bytes_changed_in_a_committed_shard_are_caught_and_the_newest_whole_checkpoint_is_used(tmp_path):
+    full = full_state(9)
+    save_and_commit(tmp_path, full, step=8)
+    newest = save_and_commit(tmp_path, full, step=12)
+    shard = max(newest.glob("*.pt"), key=lambda p: p.stat().st_size)
+    rot(shard)
+    info = latest_checkpoint(tmp_path)
+    assert info.step == 12  # the COMPLETE marker is still there: only the checksums tell
+    torch.load(shard, mmap=True, weights_only=True)  # and the file still loads
+    whole = {name: ((0, n), *((0, m) for m in rest)) for name, (n, *rest) in SHAPES.items()}
+    with pytest.raises(DamagedCheckpoint, match=f"{shard} is damaged: its .* does not match the checksum"):
+        load_regions(info, whole)
+    with pytest.raises(DamagedCheckpoint, match=str(shard)):
+        verify_checkpoint(info, SHAPES)
+    found, damaged = whole_checkpoint(tmp_path, SHAPES)
+    assert found.step == 8 and len(damaged) == 1 and str(shard) in damaged[0]
+    loaded = load_regions(found, whole)
+    for kind in KINDS:
+        for name in SHAPES:
+            assert torch.equal(loaded[kind][name], full[kind][name])
+
+
+def test_whole_checkpoint_finds_none_when_every_one_is_damaged_and_refuses_another_model(tmp_path):
+    assert whole_checkpoint(tmp_path, SHAPES) == (None, [])
+    only = save_and_commit(tmp_path, full_state(10), step=4)
+    with pytest.raises(CheckpointError, match="belongs to another model"):
+        whole_checkpoint(tmp_path, {**SHAPES, "norm": (31,)})
+    (only / "metadata.json").write_text("{")
+    found, damaged = whole_checkpoint(tmp_path, SHAPES)
+    assert found is None and len(damaged) == 1 and "metadata.json is unreadable" in damaged[0]
+
+
+def test_checkpoint_at_names_a_step_that_is_no_longer_complete(tmp_path):
+    directory = save_and_commit(tmp_path, full_state(11), step=3)
+    assert checkpoint_at(tmp_path, 3).path == directory
+    (directory / "COMPLETE").unlink()
+    with pytest.raises(DamagedCheckpoint, match="no longer a complete checkpoint"):
+        checkpoint_at(tmp_path, 3)
+
+
+def test_a_format_1_checkpoint_without_checksums_still_loads(tmp_path):
+    full = full_state(12)
+    directory = save_and_commit(tmp_path, full, step=2)
+    meta = json.loads((directory / "metadata.json").read_text())
+    for entry in meta["files"].values():
+        del entry["checksums"]
+    (directory / "metadata.json").write_text(json.dumps({**meta, "format": 1}))
+    info = latest_checkpoint(tmp_path)
+    verify_checkpoint(info, SHAPES)
+    assert torch.equal(load_regions(info, {"norm": ((0, 32),)})["param"]["norm"], full["param"]["norm"])

@@ -141,14 +141,15 @@ def started(core: Core) -> Core:
     return core
 
 
-def step(core: Core, k: int, *, nodes=(0, 1), norm=(1.0, 3.0)) -> list:
-    """Nodes report step ``k``, each the samples of its share of the plan's pipelines."""
+def step(core: Core, k: int, *, nodes=(0, 1), norm=(1.0, 3.0), corrupt=((), ())) -> list:
+    """Nodes report step ``k``, each the samples of its share of the plan's pipelines (``corrupt``: per node, its
+    devices that were not finite)."""
     out, share = [], B // len(nodes)
     for i, node in enumerate(nodes):
         devices = tuple(sorted(d for d in core.spec.plan.devices if d // 2 == node))
         lo = k * B + share * i
         out += core.handle(Received(node, NodeSynced(node, core.generation, k, devices, 0.5, ((lo, lo + share),), 0.1,
-                                                     norm[i], core.clock.now)))
+                                                     norm[i], core.clock.now, corrupt[i])))
     return out
 
 
@@ -380,3 +381,47 @@ def test_recovery_plans_pipeline_only_over_a_backend_that_can(device, backend, l
                 saved=None, faults=[], fired=[], planner=Inline(), clock=FakeClock())
     assert core.planner_.lengths == lengths
     assert pipelines_allowed(cfg.launcher) == (lengths != (1,))
+
+
+NAN = float("nan")
+
+
+def test_a_step_that_is_not_finite_is_replayed_and_a_finite_replay_names_the_device():
+    core = started(core_of())
+    step(core, 0)
+    out = step(core, 1, norm=(NAN, 3.0), corrupt=((1,), ()))
+    (commit,) = sent(out, Commit)
+    assert commit.step == 1 and commit.order.replay and commit.grad_norm is None
+    assert not of(out, Committed) and core.ledger.next_step == 1, "nothing of the step is committed"
+    out = step(core, 1)
+    (commit,) = sent(out, Commit)
+    assert commit.step == 1 and not commit.order.replay
+    assert [c.step for c in of(out, Committed)] == [1]
+    (replayed,) = [e.event for e in of(out, Record) if e.event["event"] == "replayed"]
+    assert replayed["suspects"] == [1] and not replayed["evicted"]
+    assert not sent(out, Flag), "ft.on_corrupt=replay keeps the device"
+    assert [c.step for c in of(step(core, 2), Committed)] == [2]
+
+
+def test_a_loss_that_is_not_finite_is_replayed_too_and_evict_fences_the_named_device():
+    core = started(core_of("ft.on_corrupt=evict", "policy.name=dynamic"))
+    out = core.handle(Received(0, NodeSynced(0, 0, 0, (0, 1), float("inf"), ((0, 4),), 0.1, 1.0, 0.0, (0,))))
+    out += core.handle(Received(1, NodeSynced(1, 0, 0, (2, 3), 0.5, ((4, 8),), 0.1, 1.0, 0.0)))
+    assert sent(out, Commit)[0].order.replay
+    out = step(core, 0)
+    pushed = [type(e.message).__name__ for e in out if isinstance(e, Broadcast)]
+    assert pushed.index("Commit") < pushed.index("Flag"), "the replayed step commits before the device goes"
+    assert Send(0, Signal(0, 0, 9, "fenced")) in out
+    (publish,) = sent(out, Publish)
+    assert 0 not in publish.spec.devices and publish.spec.resume_step == 1
+    (fault,) = [e.event for e in of(out, Record) if e.event["event"] == "fault"]
+    assert fault["failed_ranks"] == [0] and "not finite in step 0" in fault["cause"]
+
+
+def test_a_step_not_finite_again_on_its_replay_stops_the_run_naming_it_and_its_samples():
+    core = started(core_of())
+    step(core, 0)
+    step(core, 1, norm=(NAN, NAN))
+    with pytest.raises(TrainingError, match=r"step 1 is not finite again on its replay .* samples \[8, 16\); "
+                                            r"nothing after step 0 is committed"):
+        step(core, 1, norm=(NAN, NAN))

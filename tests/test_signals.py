@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,14 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ENV, Run, lingering, run_entry
+from conftest import ENV, Run, lingering, rot, run_entry
 
 from benchmarks._loopback import free_port_pair
 from benchmarks._processes import session_processes
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import param_shapes
 from chameleon.report.compare import mismatches
-from chameleon.runtime.checkpoint import latest_checkpoint, verify_checkpoint
+from chameleon.runtime.checkpoint import latest_checkpoint, whole_checkpoint
 
 STEPS = 150
 JOB = (f"train.steps={STEPS}", "model.dim=64", "model.n_layers=4", "train.global_batch=8", "train.micro_batch=2",
@@ -59,10 +60,11 @@ def wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 120
         time.sleep(0.05)
 
 
-def resume_and_compare(tmp_path: Path, root: Path, failure_free: Run) -> dict:
-    info = latest_checkpoint(root)
-    verify_checkpoint(info, SHAPES)  # intact: every file whole, the model's own tensors
-    run = run_entry("train", tmp_path / "resumed", *JOB, f"ckpt.resume={root}")
+def resume_and_compare(tmp_path: Path, root: Path, failure_free: Run, *overrides: str, env: dict = ENV) -> Run:
+    """Resume the job from ``root`` (with ``overrides``, in ``env``): from its newest whole checkpoint, to the
+    failure-free run's losses."""
+    info, _ = whole_checkpoint(root, SHAPES)  # every file whole, the model's own tensors
+    run = run_entry("train", tmp_path / "resumed", *JOB, f"ckpt.resume={root}", *overrides, env=env)
     assert f"resuming from {info.path}" in run.stderr
     assert run.returncode == 0, run.stderr
     got, ref = run.summary, failure_free.summary
@@ -72,7 +74,7 @@ def resume_and_compare(tmp_path: Path, root: Path, failure_free: Run) -> dict:
                 "val_losses": [v for v in ref["val_losses"] if v[0] >= got["first_step"]]}
     assert not mismatches(got, run.params, ref_tail, failure_free.params)
     assert not run.leftover_workers()
-    return got
+    return run
 
 
 @pytest.mark.full
@@ -101,7 +103,7 @@ def test_sigterm_saves_a_checkpoint_at_the_next_step_boundary_then_exits_4(tmp_p
     committed = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
     assert saved == [committed], "one checkpoint, of the last committed step"
     assert not lingering(proc.pid)
-    got = resume_and_compare(tmp_path, root, failure_free)
+    got = resume_and_compare(tmp_path, root, failure_free).summary
     assert got["first_step"] == committed
 
 
@@ -151,3 +153,61 @@ def test_ctrl_c_to_a_node_agent_stops_its_workers_before_it_says_so(tmp_path):
     assert others == set(), "processes of the agent outlived the line that says they are stopped"
     _, err = node0.communicate(timeout=120)
     assert node0.returncode == 0 and "node 1 lost" in err, err
+
+
+@pytest.mark.full
+def test_node_0_killed_every_other_node_exits_3_and_a_relaunch_resumes(tmp_path, failure_free):
+    """Node 0's whole process group is SIGKILLed mid-run (the controller and its workers): node 1's agent was never
+    told how the job ended, so it stops its workers and exits 3 within its lease, saying to relaunch with the
+    checkpoint root; the relaunch of both nodes from that root ends at the failure-free losses. (It exits 0.7 s
+    after the kill on a quiet host: a 4 s lease keeps the bound a bound on a loaded one.)"""
+    lease_s = 4.0  # ft.heartbeat_timeout_s: a node's lease
+    def nodes(node: int) -> tuple[str, ...]:
+        return ("launcher.nnodes=2", "launcher.nproc_per_node=2", "launcher.master_addr=127.0.0.1",
+                f"launcher.master_port={port}", f"launcher.node_rank={node}", f"launcher.node_addr=127.0.0.{node + 1}",
+                f"ft.heartbeat_timeout_s={lease_s}")
+
+    port, env = free_port_pair(), {**ENV, "CHAMELEON_SECRET": "s"}
+    agent = start(tmp_path / "agent", *nodes(1), "ckpt.interval=10", env=env)
+    node0 = start(tmp_path / "run", *nodes(0), "ckpt.interval=10", env=env)
+    wait_for(tmp_path / "run" / "events.jsonl", '"checkpoint", "step": 20', node0)
+    os.killpg(node0.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = agent.communicate(timeout=60)
+    took = time.monotonic() - killed
+    node0.communicate()
+    root = tmp_path / "run" / "checkpoints"
+    assert agent.returncode == 3, err
+    assert err.strip().splitlines()[-1].startswith("chameleon agent 1: lost the controller before it said the job "
+                                                  "ended"), err
+    assert err.strip().splitlines()[-1].endswith(f"relaunch the job on every node with ckpt.resume={root} to "
+                                                 "continue from its newest checkpoint"), err
+    assert took < lease_s, f"node 1 exited {took:.1f} s after node 0 died, past its {lease_s} s lease"
+    assert not lingering(agent.pid) and not lingering(node0.pid)
+
+    port = free_port_pair()
+    resumed_agent = start(tmp_path / "agent", *nodes(1), f"ckpt.resume={root}", env=env)
+    resume_and_compare(tmp_path, root, failure_free, *nodes(0), env=env)
+    assert resumed_agent.wait(timeout=60) == 0
+    assert not lingering(resumed_agent.pid)
+
+
+@pytest.mark.full
+def test_a_resume_passes_over_a_damaged_newest_checkpoint_with_one_line(tmp_path, failure_free):
+    """64 bytes in the middle of one shard of the newest checkpoint overwritten, its COMPLETE marker left in place
+    (bit rot, a bad copy): the resume names the file, starts from the checkpoint before it, and ends at the
+    failure-free losses."""
+    root = tmp_path / "checkpoints"
+    shutil.copytree(failure_free.run_dir / "checkpoints", root)
+    newest = latest_checkpoint(root)
+    assert newest.step == STEPS
+    shard = max(newest.path.glob("*.pt"), key=lambda p: p.stat().st_size)
+    rot(shard)
+    older = whole_checkpoint(root, SHAPES)[0]
+    assert older.step < STEPS and latest_checkpoint(root).step == STEPS  # its COMPLETE marker is still there
+    run = resume_and_compare(tmp_path, root, failure_free)
+    assert run.summary["first_step"] == older.committed_steps
+    said = [x for x in run.stderr.splitlines() if "resuming from" in x]
+    assert len(said) == 1 and said[0].startswith(
+        f"chameleon: resuming from {older.path} ({older.committed_steps} committed steps), the newest whole "
+        f"checkpoint: {shard} is damaged: its "), said

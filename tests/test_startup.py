@@ -1,5 +1,5 @@
 """A start that cannot work ends in one line naming the key and the fix, with exit code 2, within seconds; an agent
-whose controller refuses it or is gone says which.
+whose controller refuses it or is gone says which, and never exits 0 unless the controller said the job trained.
 
 What a host can see for itself (a port taken, an address not its own, no secret) ends node 0 or an agent before
 anything starts or is written; what only the controller can tell (another secret, a store the agent cannot reach)
@@ -176,9 +176,10 @@ def test_node_0_whose_nodes_never_come_says_which_and_exits_2(tmp_path):
 
 
 @pytest.mark.full  # a whole job over two nodes; test_a_closed_listener_refuses_at_once is the fast tier's
-def test_an_agent_registering_again_after_the_job_ended_says_so(tmp_path):
+def test_an_agent_that_missed_the_end_of_the_job_asks_for_a_relaunch(tmp_path):
     """Node 1's agent is stopped (a partition) while the job finishes without it; resumed, it fences, registers
-    again, finds nothing listening where its controller was, and says the job has ended."""
+    again and finds nothing listening where its controller was. It was never told how the job ended, so it says
+    to relaunch and exits 3 (ft.on_fault=exit's code), never 0: under Slurm or Kubernetes 0 means done."""
     port = free_port_pair()
     agent = launch(tmp_path, 1, port, "train.steps=20")
     node0 = launch(tmp_path, 0, port, "train.steps=20")
@@ -193,8 +194,10 @@ def test_an_agent_registering_again_after_the_job_ended_says_so(tmp_path):
     started = time.monotonic()
     os.kill(agent.pid, signal.SIGCONT)
     code, lines, took = outcome(agent, started)
-    assert code == 0, lines
-    assert lines[-1] == f"chameleon agent 1: the job has ended (its controller at 127.0.0.1:{port + 1} is gone)"
+    assert code == 3, lines
+    assert lines[-1] == (f"chameleon agent 1: lost the controller before it said the job ended (nothing answers at "
+                         f"127.0.0.1:{port + 1}): relaunch the job on every node from its start (it saves no "
+                         "checkpoints: ckpt.interval=0)")
     assert took < 10.0
     assert not lingering(agent.pid)
 

@@ -8,6 +8,8 @@ Kinds of fault, each on a device (``rank``) or a whole node (``node``):
   (caught only by the progress watchdog);
 - ``error`` / ``device_error``: an exception in the worker — an error of the run,
   which stops it, or a fault of the device itself, which loses that device;
+- ``corrupt``: a ``value`` (``nan`` or ``inf``) written into the worker's gradients in the
+  ``backward`` of ``step``, once (silent data corruption: the step is replayed, never committed);
 - ``stuck_abort``: from ``step`` on, the worker's next abort of a broken generation's
   communicators never returns (as ``ncclCommAbort`` can block when a peer cannot abort);
   it takes another fault to break a generation, so it comes in a ``schedule``;
@@ -46,6 +48,7 @@ class FaultKind(StrEnum):
     stall = "stall"
     error = "error"
     device_error = "device_error"
+    corrupt = "corrupt"
     stuck_abort = "stuck_abort"
     node_kill = "node_kill"
     node_hang = "node_hang"
@@ -72,13 +75,20 @@ class FaultPhase(StrEnum):
     decision = "decision"
 
 
+class CorruptValue(StrEnum):
+    """What a ``corrupt`` fault writes into a gradient."""
+
+    nan = "nan"
+    inf = "inf"
+
+
 P, K = FaultPhase, FaultKind
 STEP_PHASES = (P.eval, P.forward, P.backward, P.sync, P.optimizer, P.any)
 RECOVERY_PHASES = (P.recovery, P.rebuild, P.transfer, P.redo)
 CONTROLLER_PHASES = (P.decision,)
 NODE_KINDS = (K.node_kill, K.node_hang)
 DEVICE_KINDS = tuple(k for k in K if k not in NODE_KINDS)
-MAIN_THREAD_KINDS = (K.stall, K.error, K.device_error)  # fired where the worker is, never from a timer or outside
+MAIN_THREAD_KINDS = (K.stall, K.error, K.device_error, K.corrupt)  # fired where the worker is, never from outside
 STUCK_ABORT = K.stuck_abort  # not fired at a phase: it blocks the victim's next abort (WorkerFaults.abort_started)
 
 
@@ -94,23 +104,26 @@ class FaultSpec:
     at_s: float | None = None
     round: int | None = None
     resume_after_s: float | None = None
+    value: CorruptValue = CorruptValue.nan  # kind=corrupt: what is written into a gradient
 
     def describe(self) -> str:
         who = f"node {self.node}" if self.kind in NODE_KINDS else f"device {self.rank}"
         when = f"at {self.at_s:g} s" if self.at_s is not None else f"in step {self.step}, phase {self.phase}"
-        return f"{self.kind} of {who} {when}"
+        what = f" ({self.value})" if self.kind == FaultKind.corrupt else ""
+        return f"{self.kind}{what} of {who} {when}"
 
 
 @dataclass
 class FailureConfig:
-    kind: FailureKind = FailureKind.none  # none | kill | hang | stall | error | device_error | stuck_abort
-    #                                        | node_kill | node_hang | schedule | random
+    kind: FailureKind = FailureKind.none  # none | kill | hang | stall | error | device_error | corrupt
+    #                                        | stuck_abort | node_kill | node_hang | schedule | random
     rank: int = 1
     node: int = 1
     step: int = 5
     phase: FaultPhase = FaultPhase.any
     round: int | None = None  # phase=transfer: the round (default: the victim's first)
     resume_after_s: float = 3.0  # node_hang: the agent is resumed (SIGCONT) this long after it stopped
+    value: CorruptValue = CorruptValue.nan  # corrupt: nan | inf, written into a gradient
     faults: list[FaultSpec] = field(default_factory=list)  # kind=schedule
     mtbf_s: float = 6.0  # kind=random: mean time between faults over the whole job
     max_faults: int = 2  # kind=random
@@ -132,7 +145,7 @@ def planned_faults(cfg: FailureConfig, *, world: int, nnodes: int = 1) -> list[F
         faults = []
     elif kind in list(FaultKind):
         faults = [FaultSpec(kind=kind, rank=cfg.rank, node=cfg.node, step=cfg.step, phase=cfg.phase, round=cfg.round,
-                            resume_after_s=cfg.resume_after_s)]
+                            resume_after_s=cfg.resume_after_s, value=cfg.value)]
     elif kind == "schedule":
         if not cfg.faults:
             raise ValueError("failure=schedule with an empty failure.faults: list faults, or use failure=none")
@@ -197,6 +210,9 @@ def _check_fault(f: FaultSpec, *, key: str, world: int, nnodes: int) -> None:
                          "step only (phase=any, no at_s)")
     if f.phase == "decision" and f.kind != "kill":
         raise ValueError(f"{key}: phase=decision fires from the controller and only kills: use kind=kill")
+    if f.kind == K.corrupt and (f.phase != "backward" or f.value not in list(CorruptValue)):
+        raise ValueError(f"{key}.phase={f.phase}: {K.corrupt} writes its value into the gradients of a step's "
+                         f"backward: set {key}.phase=backward (and {key}.value to one of {', '.join(CorruptValue)})")
     if f.kind in MAIN_THREAD_KINDS and (f.phase == "any" or f.at_s is not None):
         raise ValueError(f"{key}.kind={f.kind} acts on the worker's own thread: pin it to a phase "
                          "(forward, backward, sync, optimizer or a recovery phase), not phase=any or at_s")

@@ -11,7 +11,7 @@ On disk, under ``root``::
 
     step_00000120/
         gen2_device_3.pt    {kind: {name: local shard}} (kinds: param, exp_avg, ...)
-        gen2_device_3.json  that file's index: regions, dtypes, committed_steps
+        gen2_device_3.json  that file's index: regions, dtypes, committed_steps, a CRC-32 of every tensor
         metadata.json    the whole checkpoint's index, written by the controller
         COMPLETE         written last; its mtime dates the checkpoint
 
@@ -21,7 +21,10 @@ every tensor. A loader asks for any regions (any TP degree, any pipeline split)
 and :func:`load_regions` assembles each one from the stored shards it intersects.
 
 Every file is written to a temporary name, fsynced and renamed into place, so a
-file is either whole or absent. File names carry the writer's generation, so a
+file is either whole or absent. What happens to it afterwards (bit rot, a bad copy)
+is caught by the checksums: every tensor a reader takes is checked against its
+CRC-32 first, and :func:`whole_checkpoint` passes over a damaged checkpoint to the
+newest whole one, naming what was damaged. File names carry the writer's generation, so a
 stale writer (a fenced node that wakes up) can never replace a file a checkpoint
 of a newer generation lists. The root must be visible to every writer and to
 the controller (a shared file system on multi-node jobs).
@@ -36,6 +39,7 @@ import re
 import shutil
 import threading
 import time
+import zlib
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,8 +57,8 @@ from chameleon.layout.spec import (
     region_shape,
 )
 
-FORMAT = 1
-"""Version of the on-disk format, recorded in ``metadata.json``."""
+FORMAT = 2
+"""Version of the on-disk format, recorded in ``metadata.json`` (2: a checksum per tensor; 1 has none)."""
 
 COMPLETE = "COMPLETE"
 METADATA = "metadata.json"
@@ -66,6 +70,10 @@ Shards = Mapping[str, Mapping[str, Tensor]]
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, committed or read; the message names the file or tensor."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A complete checkpoint whose files changed since they were written: unreadable, missing or not their checksum."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +203,7 @@ class CheckpointWriter:
 
     def _write(self, path: Path, snapshot: dict[str, dict[str, Tensor]], index: dict) -> None:
         try:
+            index["checksums"] = {kind: {name: _checksum(t) for name, t in ts.items()} for kind, ts in snapshot.items()}
             path.parent.mkdir(parents=True, exist_ok=True)
             _atomic_write(path, lambda f: torch.save(snapshot, f))
             _atomic_write(path.with_suffix(".json"), lambda f: f.write(json.dumps(index).encode()))
@@ -259,18 +268,55 @@ def latest_checkpoint(root: Path) -> CheckpointInfo | None:
     Raises:
         CheckpointError: its ``metadata.json`` is unreadable.
     """
-    for step, directory in reversed(_step_dirs(Path(root))):
-        marker = directory / COMPLETE
-        if marker.exists():
-            metadata = _read_metadata(directory)
-            return CheckpointInfo(
-                path=directory,
-                step=step,
-                committed_steps=metadata["committed_steps"],
-                age_s=time.time() - marker.stat().st_mtime,
-                config_digest=metadata["config_digest"],
-            )
-    return None
+    complete = _complete_dirs(Path(root))
+    return _info(*complete[-1]) if complete else None
+
+
+def whole_checkpoint(root: Path, shapes: Mapping[str, tuple[int, ...]]) -> tuple[CheckpointInfo | None, list[str]]:
+    """The newest complete checkpoint of a model of ``shapes`` whose every file is whole, and why each newer one
+    is not (one line each, naming the damaged file), newest first.
+
+    Raises:
+        CheckpointError: the newest readable checkpoint belongs to another model.
+    """
+    damaged = []
+    for step, directory in reversed(_complete_dirs(Path(root))):
+        try:
+            info = _info(step, directory)
+            verify_checkpoint(info, shapes)
+        except DamagedCheckpoint as err:
+            damaged.append(str(err))
+            continue
+        return info, damaged
+    return None, damaged
+
+
+def checkpoint_at(root: Path, step: int) -> CheckpointInfo:
+    """The complete checkpoint saved at ``step`` under ``root``.
+
+    Raises:
+        DamagedCheckpoint: it is not complete, or its ``metadata.json`` is unreadable.
+    """
+    directory = step_dir(Path(root), step)
+    if not (directory / COMPLETE).exists():
+        raise DamagedCheckpoint(f"{directory} is no longer a complete checkpoint (its {COMPLETE} marker is gone)")
+    return _info(step, directory)
+
+
+def _complete_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Every checkpoint directory under ``root`` with its ``COMPLETE`` marker, oldest first."""
+    return [(step, directory) for step, directory in _step_dirs(root) if (directory / COMPLETE).exists()]
+
+
+def _info(step: int, directory: Path) -> CheckpointInfo:
+    metadata = _read_metadata(directory)
+    return CheckpointInfo(
+        path=directory,
+        step=step,
+        committed_steps=metadata["committed_steps"],
+        age_s=time.time() - (directory / COMPLETE).stat().st_mtime,
+        config_digest=metadata["config_digest"],
+    )
 
 
 def load_regions(info: CheckpointInfo, needs: Mapping[str, Region]) -> dict[str, dict[str, Tensor]]:
@@ -289,6 +335,7 @@ def load_regions(info: CheckpointInfo, needs: Mapping[str, Region]) -> dict[str,
 
     Raises:
         CheckpointError: some part of a needed region is not stored; names the tensor.
+        DamagedCheckpoint: a file read is unreadable or a stored tensor is not its checksum; names the file.
     """
     metadata = _read_metadata(info.path)
     reads = _plan_reads(metadata, needs)
@@ -298,7 +345,7 @@ def load_regions(info: CheckpointInfo, needs: Mapping[str, Region]) -> dict[str,
         for kind in metadata["kinds"]
     }
     for file, pieces in reads.items():
-        stored = torch.load(info.path / file, mmap=True, weights_only=True)
+        stored = _read_shards(info.path / file, metadata["files"][file], names={name for name, _ in pieces})
         held = metadata["files"][file]["regions"]
         for name, piece in pieces:
             source = local_slices(piece, _region(held[name]))
@@ -312,8 +359,11 @@ def load_regions(info: CheckpointInfo, needs: Mapping[str, Region]) -> dict[str,
 def verify_checkpoint(info: CheckpointInfo, shapes: Mapping[str, tuple[int, ...]]) -> None:
     """Check a checkpoint loads for a model of ``shapes``: same tensors and shapes, every file readable.
 
+    Every file is read whole and every tensor checked against its checksum.
+
     Raises:
-        CheckpointError: naming the foreign tensor or the damaged file.
+        CheckpointError: naming the foreign tensor.
+        DamagedCheckpoint: naming the damaged file.
     """
     metadata = _read_metadata(info.path)
     stored = {name: tuple(shape) for name, shape in metadata["shapes"].items()}
@@ -323,13 +373,29 @@ def verify_checkpoint(info: CheckpointInfo, shapes: Mapping[str, tuple[int, ...]
                 f"{info.path} belongs to another model: tensor {name} is {stored.get(name, 'absent')} there but "
                 f"{tuple(shapes[name]) if name in shapes else 'absent'} in this one: resume with the model it was saved with"
             )
-    for file in metadata["files"]:
-        path = info.path / file
-        try:
-            torch.load(path, mmap=True, weights_only=True)
-        except Exception as err:  # noqa: BLE001 - any failure to open means a damaged file
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise CheckpointError(f"{path} is missing or damaged ({reason})") from None
+    for file, entry in metadata["files"].items():
+        _read_shards(info.path / file, entry, names=entry["regions"])
+
+
+def _read_shards(path: Path, entry: Mapping[str, Any], *, names: Collection[str]) -> dict[str, dict[str, Tensor]]:
+    """A shard file, memory-mapped, with every kind of each of ``names`` checked against its checksum
+    (a format-1 file, which has none, only has to load)."""
+    try:
+        stored = torch.load(path, mmap=True, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure to open means a damaged file
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DamagedCheckpoint(f"{path} is missing or damaged ({reason})") from None
+    for kind, sums in entry.get("checksums", {}).items():
+        for name in names:
+            if _checksum(stored[kind][name]) != sums[name]:
+                raise DamagedCheckpoint(f"{path} is damaged: its {kind} of {name} does not match the checksum it "
+                                        "was written with")
+    return stored
+
+
+def _checksum(tensor: Tensor) -> int:
+    """CRC-32 of a CPU tensor's bytes: it catches bit rot and bad copies, at several GB/s (zlib's hardware CRC)."""
+    return zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _read_metadata(directory: Path) -> dict[str, Any]:
@@ -337,7 +403,7 @@ def _read_metadata(directory: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path} is unreadable ({err}): the checkpoint is damaged") from None
+        raise DamagedCheckpoint(f"{path} is unreadable ({err}): the checkpoint is damaged") from None
 
 
 def _plan_reads(metadata: Mapping[str, Any], needs: Mapping[str, Region]) -> dict[str, list[tuple[str, Region]]]:
@@ -395,7 +461,8 @@ def _metadata(
         "kinds": sorted(dtypes),
         "shapes": {name: list(shape) for name, shape in shapes.items()},
         "dtypes": dtypes,
-        "files": {file: {"device": e["device"], "regions": e["regions"]} for file, e in files.items()},
+        "files": {file: {"device": e["device"], "regions": e["regions"], "checksums": e["checksums"]}
+                  for file, e in files.items()},
         "config": config,
         "config_digest": config_digest(config),
     }

@@ -34,7 +34,7 @@ from chameleon.layout.memory import plan_memory
 from chameleon.layout.plan import Plan
 from chameleon.model.spec import spec_of
 from chameleon.report.outputs import write_json
-from chameleon.runtime.checkpoint import checkpoint_root, commit_checkpoint, latest_checkpoint
+from chameleon.runtime.checkpoint import checkpoint_root, commit_checkpoint, latest_checkpoint, whole_checkpoint
 from chameleon.runtime.control.core import (
     Admit,
     Broadcast,
@@ -61,7 +61,7 @@ from chameleon.runtime.node.agent import Agent
 from chameleon.runtime.node.launch import host_identity
 from chameleon.runtime.node.wire import AuthError, Link, open_meeting_points
 from chameleon.runtime.protocol import codec
-from chameleon.runtime.protocol.errors import Preempted, TrainingError
+from chameleon.runtime.protocol.errors import ExitCode, Preempted, TrainingError, exit_code_of
 from chameleon.runtime.protocol.messages import Hello, Shutdown
 
 TICK_S = 0.05  # time-driven work (leases, the watchdog, node 0's workers' heartbeats); messages wake the loop at once
@@ -92,9 +92,10 @@ class Controller:
                 f"{self.ckpt_root} already holds checkpoints of another run: pick a new hydra.run.dir or "
                 f"ckpt.dir, or continue that run with ckpt.resume={self.ckpt_root}"
             )
-        start = latest_checkpoint(Path(resume)) if resume else None
+        start, self.damaged = whole_checkpoint(Path(resume), spec_of(config.model).param_shapes(config.model)) \
+            if resume else (None, [])
         if resume and start is None:
-            raise TrainingError(f"ckpt.resume={resume} holds no complete checkpoint")
+            raise TrainingError(f"ckpt.resume={resume} holds no whole checkpoint: {'; '.join(self.damaged)}")
         self.resumed_from = start
         fired = _fired(Path(resume)) if resume else []
         faults = [f for f in planned_faults(config.failure, world=world_size(launcher), nnodes=launcher.nnodes)
@@ -128,13 +129,14 @@ class Controller:
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: self._handle(Preempt()))
         try:
             if self.resumed_from is not None:
+                passed_over = f", the newest whole checkpoint: {'; '.join(self.damaged)}" if self.damaged else ""
                 self.recorder.say(f"chameleon: resuming from {self.resumed_from.path} "
-                                  f"({self.core.first_step} committed steps)")
+                                  f"({self.core.first_step} committed steps){passed_over}")
             self._open_local_node()
             self._loop()
-            self._finish(grace_s=REAP_S)
-        except BaseException:
-            self._finish(grace_s=0.0)  # survivors wait for a generation that will never come
+            self._finish(grace_s=REAP_S, outcome=ExitCode.PREEMPTED if self.core.stopping else ExitCode.TRAINED)
+        except BaseException as err:
+            self._finish(grace_s=0.0, outcome=exit_code_of(err))  # survivors wait for a generation never coming
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -202,11 +204,12 @@ class Controller:
             self._on_ready(key.fileobj if key.data is None else key.data, events)
         self._drain()
 
-    def _finish(self, *, grace_s: float) -> None:
-        """End the job everywhere: every agent stops its workers (waiting ones see the end and leave)."""
+    def _finish(self, *, grace_s: float, outcome: ExitCode) -> None:
+        """End the job everywhere: every agent stops its workers (waiting ones see the end and leave) and exits
+        with ``outcome``, the code node 0 exits with."""
         why = "the job ended" if grace_s else "the job stopped"
         for link in list(self.links.values()) + list(self.arriving):
-            link.close_with(Shutdown(self.core.generation, why, grace_s, ended=True))
+            link.close_with(Shutdown(self.core.generation, why, grace_s, outcome=outcome))
         if self.agent is not None and self.agent.pool is not None:
             from chameleon.runtime.protocol.messages import End
 

@@ -30,7 +30,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from chameleon.config import Config, pipelines_allowed
+from chameleon.config import Config, OnCorrupt, pipelines_allowed
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.coordinator import Coordinator, NoRecovery, SavedState, Transition
 from chameleon.decision.measured import Measured, plan_shape
@@ -396,6 +396,7 @@ class Core:
         self.growing: Growth | None = None
         self.fault_times: list[float] = []
         self.dying: dict[int, Dying] = {}
+        self.replaying: CommitStep | None = None  # the step that was not finite, while its replay runs
         self.nodes: dict[int, NodeInfo] = {}
         self.preempt = self.stopping = False
         self.t0 = clock.wall()
@@ -584,7 +585,7 @@ class Core:
                 self.last_progress = self.clock.mono()
             case NodeSynced():
                 if (commit := self.ledger.on_synced(msg)) is not None:
-                    self._commit(commit)
+                    self._commit(commit) if commit.finite else self._replay(commit)
             case NodeEvaluated():
                 if (evaluation := self.ledger.on_evaluated(msg)) is not None:
                     self._validated(evaluation)
@@ -670,6 +671,42 @@ class Core:
             if timeline is not None:
                 timeline.t_started = now
 
+    def _replay(self, c: CommitStep) -> None:
+        """A step that is not finite: nothing of it is applied; it is trained again, once.
+
+        Raises:
+            TrainingError: its replay was not finite either (the data or the model, not a device).
+        """
+        what = (f"loss {c.loss:.6g}, gradient norm {c.grad_norm if c.grad_norm is None else f'{c.grad_norm:.6g}'}; "
+                + (f"devices {list(c.corrupt)} not finite before the sync" if c.corrupt
+                   else "every device finite before the sync"))
+        samples = f"samples [{c.samples[0]}, {c.samples[1]})"
+        self._record(event="not_finite", step=c.step, loss=c.loss, grad_norm=c.grad_norm, corrupt=list(c.corrupt),
+                     replay=self.replaying is None, time=self.clock.wall())
+        if self.replaying is not None:
+            raise TrainingError(f"step {c.step} is not finite again on its replay ({what}; the first time: devices "
+                                f"{list(self.replaying.corrupt)}): the data or the model diverged, not a device: "
+                                f"{samples}; nothing after step {c.step - 1} is committed: lower train.lr, or check "
+                                "those samples")
+        self.replaying = c
+        self._say(f"chameleon: step {c.step} is not finite ({what}): not committed; replaying it ({samples})")
+        self._emit(Broadcast(Commit(self.generation, c.step, CommitOrder(replay=True), None, self.clock.wall())))
+        self.last_progress = self.clock.mono()
+
+    def _replayed(self, c: CommitStep) -> None:
+        """The replay of a step that was not finite is: the fault was transient. Name its devices; under
+        ``ft.on_corrupt=evict`` they are lost devices from now on."""
+        suspects, self.replaying = self.replaying.corrupt, None
+        evict = bool(suspects) and self.ft.on_corrupt == OnCorrupt.evict
+        who = (f"devices {list(suspects)}, whose own gradients were not finite, "
+               + ("are evicted" if evict else "stay (ft.on_corrupt=replay)") if suspects
+               else "no device's own gradients were not finite")
+        self._say(f"chameleon: step {c.step} replayed finite: the fault was transient; {who}")
+        self._record(event="replayed", step=c.step, suspects=list(suspects), evicted=evict, time=self.clock.wall())
+        if evict:
+            self._on_fault(set(suspects), f"evicted: its gradients were not finite in step {c.step}",
+                           t_fault=self.clock.wall(), where={}, source="reported")
+
     def _commit(self, c: CommitStep) -> None:
         """Let workers apply the step, with the order for what follows; log it."""
         order, committed_in = CommitOrder(), self.generation
@@ -696,6 +733,8 @@ class Core:
             self._close_recovery(now, c.compute_s)
         if self.growing is not None and self.growing.t_started:
             self._close_growth(now)
+        if self.replaying is not None:
+            self._replayed(c)
 
     def _validated(self, evaluation: Evaluation) -> None:
         now = self.clock.wall()

@@ -29,10 +29,11 @@ class StartGeneration:
 
 @dataclass(frozen=True)
 class CommitStep:
-    """``step`` trained exactly its samples ``[start, stop)``: commit it.
+    """``step`` trained exactly its samples ``[start, stop)``: commit it, if :attr:`finite`.
 
     ``grad_norm`` is the whole plan's gradient norm (the trainers' squared parts summed
-    in node order), ``t_synced`` when the slowest node's last trainer synced.
+    in node order), ``t_synced`` when the slowest node's last trainer synced, ``corrupt``
+    the trainers whose own gradients or loss were not finite before the sync.
     """
 
     step: int
@@ -41,6 +42,12 @@ class CommitStep:
     compute_s: float
     grad_norm: float | None
     t_synced: float
+    corrupt: tuple[int, ...] = ()
+
+    @property
+    def finite(self) -> bool:
+        """Whether the step may commit: its loss and gradient norm are finite, and so was every trainer's part."""
+        return not self.corrupt and math.isfinite(self.loss) and (self.grad_norm is None or math.isfinite(self.grad_norm))
 
 
 @dataclass(frozen=True)
@@ -137,7 +144,8 @@ class Ledger:
         return None
 
     def on_synced(self, msg: NodeSynced) -> CommitStep | None:
-        """Book a node's report of a step; the step commits once every node with trainers reported it.
+        """Book a node's report of a step; the step commits once every node with trainers reported it, if it is
+        finite (a step that is not stays open for its replay).
 
         Raises:
             TrainingError: the report is out of order or names other trainers than the node's, or the
@@ -167,13 +175,16 @@ class Ledger:
                 f"step {msg.step} trained samples {_describe(ranges)} instead of [{start}, {stop}): "
                 "samples were lost or duplicated"
             )
-        self.committed = msg.step
         nodes = [reports[n] for n in sorted(reports)]
         norms = [n.norm_sq for n in nodes if n.norm_sq is not None]
-        return CommitStep(
+        step = CommitStep(
             msg.step, sum(n.loss_sum for n in nodes), (start, stop), max(n.compute_s for n in nodes),
             math.sqrt(sum(norms)) if norms else None, max(n.t_synced for n in nodes),
+            tuple(sorted(d for n in nodes for d in n.corrupt)),
         )
+        if step.finite:  # a step that is not finite stays open: it is replayed
+            self.committed = msg.step
+        return step
 
     def on_evaluated(self, msg: NodeEvaluated) -> Evaluation | None:
         """Book a node's part of a validation loss; whole once every node with trainers reported it."""

@@ -47,6 +47,7 @@ from chameleon.runtime.node.launch import SECRET_ENV, host_identity
 from chameleon.runtime.node.preflight import store_problem
 from chameleon.runtime.node.wire import AuthError, Link, SecretMismatch, connect
 from chameleon.runtime.protocol import codec
+from chameleon.runtime.protocol.errors import ExitCode
 from chameleon.runtime.protocol.messages import (
     PUSHED,
     CheckpointSaved,
@@ -236,7 +237,8 @@ def _node_synced(node: int, generation: int, step: int, reports: list[tuple[Sync
     norm = sum(norms) if norms else None  # in device order: every run sums the same way
     samples = tuple(sorted(r for s, _ in reports for r in s.samples))
     return NodeSynced(node, generation, step, tuple(s.device for s, _ in reports), sum(s.loss_sum for s, _ in reports),
-                      samples, max(s.compute_s for s, _ in reports), norm, max(t for _, t in reports))
+                      samples, max(s.compute_s for s, _ in reports), norm, max(t for _, t in reports),
+                      tuple(s.device for s, _ in reports if not s.finite))
 
 
 # ----- a remote node's agent process ------------------------------------------------------------
@@ -248,6 +250,8 @@ def serve(config: Config, *, node: int, master_addr: str, control_port: int, key
 
     Registers with the controller, starts the workers it is given, relays, renews
     its lease; fences and registers again after losing the controller's contact.
+    It exits with the job's outcome only when the controller told it (``Shutdown``);
+    a controller lost for good is :attr:`ExitCode.RELAUNCH`, never success.
     SIGTERM is ignored: on preemption the controller saves a checkpoint and ends the job.
     """
     from chameleon.runtime.node.processes import forkserver
@@ -255,7 +259,8 @@ def serve(config: Config, *, node: int, master_addr: str, control_port: int, key
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     forkserver(start=True, ready=True)  # register only once workers can start at once
     gc.freeze()  # collections walk the agent's own objects, not torch's
-    returning, contact_s = False, Timeouts.of(config).contact_s
+    contact_s = Timeouts.of(config).contact_s
+    run_dir: str | None = None  # where the job writes, once admitted: a lost controller's relaunch resumes from it
     deadline = time.monotonic() + join_timeout_s
     while True:
         try:
@@ -263,45 +268,69 @@ def serve(config: Config, *, node: int, master_addr: str, control_port: int, key
         except SecretMismatch as err:
             print(f"chameleon agent {node}: refused: {err}: set the same {SECRET_ENV} on every node", file=sys.stderr,
                   flush=True)
-            return 2
+            return ExitCode.CONFIG
         except AuthError as err:
             print(f"chameleon agent {node}: no Chameleon controller answers at {master_addr}:{control_port} ({err}): "
                   "check launcher.master_addr and launcher.control_port", file=sys.stderr, flush=True)
-            return 2
+            return ExitCode.CONFIG
         except OSError as err:
-            if returning and isinstance(err, ConnectionRefusedError):  # it answered before; nothing listens there now
-                print(f"chameleon agent {node}: the job has ended (its controller at {master_addr}:{control_port} is "
-                      "gone)", file=sys.stderr, flush=True)
-                return 0
+            if run_dir is not None and (isinstance(err, ConnectionRefusedError) or time.monotonic() > deadline):
+                return _controller_lost(node, config, run_dir, f"nothing answers at {master_addr}:{control_port}")
             if time.monotonic() > deadline:
                 print(f"chameleon agent {node}: no controller at {master_addr}:{control_port} within "
                       f"{join_timeout_s:.0f} s ({err}): start node 0 first, or check launcher.master_addr/master_port",
                       file=sys.stderr, flush=True)
-                return 1
+                return ExitCode.FAILED
             time.sleep(0.2)
             continue
-        problem = None if returning else store_problem(master_addr, config.launcher.master_port)
+        problem = None if run_dir is not None else store_problem(master_addr, config.launcher.master_port)
         if problem:
             link.close()
             print(f"chameleon agent {node}: {problem}", file=sys.stderr, flush=True)
-            return 2
+            return ExitCode.CONFIG
         try:
             link.send(Hello(node, _devices(config, node), os.getpid(), node_addr or socket.gethostname(),
-                            host_identity(), config, returning=returning))
+                            host_identity(), config, returning=run_dir is not None))
             reply = link.recv(join_timeout_s)
         except (EOFError, OSError):  # the controller's process ended first
-            print(f"chameleon agent {node}: the job has ended (its controller at {master_addr}:{control_port} closed "
-                  "the link before admitting this node)", file=sys.stderr, flush=True)
-            return 0 if returning else 1
+            if run_dir is not None:
+                return _controller_lost(node, config, run_dir, "it closed the link before admitting this node again")
+            print(f"chameleon agent {node}: the controller at {master_addr}:{control_port} closed the link before "
+                  "admitting this node", file=sys.stderr, flush=True)
+            return ExitCode.FAILED
         if not isinstance(reply, Welcome):
+            if isinstance(reply, Shutdown) and reply.outcome is not None:
+                return _job_ended(node, reply)
             why = reply.why if isinstance(reply, Shutdown) else "no answer"
             print(f"chameleon agent {node}: not admitted: {why}", file=sys.stderr, flush=True)
-            return 0 if isinstance(reply, Shutdown) and reply.ended else 2
+            return ExitCode.CONFIG
+        run_dir = reply.run_dir
         outcome = _relay(link, reply, node=node, master_addr=master_addr, node_addr=node_addr, contact_s=contact_s)
-        if outcome == "shutdown":
-            return 0
+        if isinstance(outcome, Shutdown):
+            return _job_ended(node, outcome)
         print(f"chameleon agent {node}: {outcome}; my workers are stopped, registering again", file=sys.stderr, flush=True)
-        returning, deadline = True, time.monotonic() + join_timeout_s
+        deadline = time.monotonic() + join_timeout_s
+
+
+def _job_ended(node: int, shutdown: Shutdown) -> int:
+    """The exit code of an agent the controller told the job ended: node 0's own."""
+    code = ExitCode(shutdown.outcome)
+    if code != ExitCode.TRAINED:
+        print(f"chameleon agent {node}: {shutdown.why} (exit {int(code)}, {code.name.lower()}): node 0's output says "
+              "why", file=sys.stderr, flush=True)
+    return code
+
+
+def _controller_lost(node: int, config: Config, run_dir: str, why: str) -> int:
+    """A controller gone before it said the job ended: the job's outcome is unknown here, so it is to be relaunched."""
+    from chameleon.runtime.checkpoint import checkpoint_root
+
+    root = checkpoint_root(config.ckpt, run_dir)
+    how = (f"with ckpt.resume={root} to continue from its newest checkpoint" if config.ckpt.interval
+           else "from its start (it saves no checkpoints: ckpt.interval=0)")
+    print(f"chameleon agent {node}: lost the controller before it said the job ended ({why}): relaunch the job on "
+          f"every node {how}", file=sys.stderr, flush=True)
+    return ExitCode.RELAUNCH
 
 
 def _devices(config: Config, node: int) -> tuple[int, ...]:
@@ -309,8 +338,10 @@ def _devices(config: Config, node: int) -> tuple[int, ...]:
     return tuple(range(node * per, (node + 1) * per))
 
 
-def _relay(link: Link, welcome: Welcome, *, node: int, master_addr: str, node_addr: str | None, contact_s: float) -> str:
-    """Serve one admission: until Shutdown ("shutdown") or the contact is lost (why); workers are stopped either way."""
+def _relay(link: Link, welcome: Welcome, *, node: int, master_addr: str, node_addr: str | None,
+           contact_s: float) -> Shutdown | str:
+    """Serve one admission: until the controller's Shutdown (returned) or the contact is lost (why); workers are
+    stopped either way."""
     from chameleon.runtime.node.processes import Processes
 
     lost: list[str] = []
@@ -352,7 +383,7 @@ def _relay(link: Link, welcome: Welcome, *, node: int, master_addr: str, node_ad
             pool.push(End(outcome.generation), codec.encode(End(outcome.generation)))
         pool.stop(grace_s=outcome.grace_s if isinstance(outcome, Shutdown) else 0.0)  # fencing kills at once
         link.close()
-    return "shutdown" if isinstance(outcome, Shutdown) else outcome
+    return outcome
 
 
 def _serve_once(link: Link, agent: Agent, pool, heard: float) -> tuple[str | Shutdown | None, float]:

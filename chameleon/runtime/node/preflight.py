@@ -23,7 +23,7 @@ from chameleon.config import Backend, ConfigError, Device, check, check_data, mo
 from chameleon.layout.memory import plan_memory
 from chameleon.layout.plan import Plan
 from chameleon.model.spec import spec_of
-from chameleon.runtime.checkpoint import CheckpointError, latest_checkpoint, verify_checkpoint
+from chameleon.runtime.checkpoint import CheckpointError, whole_checkpoint
 from chameleon.runtime.node.launch import launch_problem, resolve
 from chameleon.runtime.protocol.errors import LaunchError
 from chameleon.runtime.worker.device import device_module
@@ -104,16 +104,18 @@ def _check_devices(launcher) -> None:
 
 
 def _check_resume(resume: str, cfg: DictConfig) -> None:
-    """Refuse a checkpoint root with no whole, readable checkpoint of this model."""
+    """Refuse a checkpoint root with no whole checkpoint of this model (a damaged newer one is passed over: the
+    controller says so when it resumes)."""
     model = model_config(cfg)
     root = Path(resume).expanduser()
     check(root.is_dir(), f"ckpt.resume={resume} is not a directory: give a run's checkpoint root (…/checkpoints)")
     try:
-        info = latest_checkpoint(root)
-        check(info is not None, f"ckpt.resume={resume} holds no complete checkpoint: give a root with a COMPLETE one")
-        verify_checkpoint(info, spec_of(model).param_shapes(model))
+        info, damaged = whole_checkpoint(root, spec_of(model).param_shapes(model))
     except CheckpointError as err:
         raise ConfigError(f"ckpt.resume={resume}: {err}") from None
+    check(info is not None or damaged,
+          f"ckpt.resume={resume} holds no complete checkpoint: give a root with a COMPLETE one")
+    check(info is not None, f"ckpt.resume={resume} holds no whole checkpoint: {'; '.join(damaged)}")
 
 
 def node_problem(launcher) -> str | None:

@@ -70,11 +70,13 @@ class GenerationSpec:
 
 @dataclass(frozen=True)
 class CommitOrder:
-    """What workers do after a committed step: save a checkpoint, then go on, stop, or switch generation."""
+    """What workers do after a committed step: save a checkpoint, then go on, stop, or switch generation; or, for
+    a step not committed, replay it."""
 
     save: bool = False
     stop: bool = False
     switch_to: int | None = None
+    replay: bool = False  # the step was not finite: nothing is applied, and it is trained again
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,7 @@ class Synced:
     samples: Samples
     compute_s: float
     norm_sq: float | None = None
+    finite: bool = True  # its own gradients and loss were finite before the sync
 
 
 @dataclass(frozen=True)
@@ -261,7 +264,8 @@ class NodeReady:
 @dataclass(frozen=True)
 class NodeSynced:
     """Every trainer of ``generation`` on the node synced ``step``: their summed loss, their samples, their
-    slowest compute, their summed squared norm, and when the last of them synced (the node's clock)."""
+    slowest compute, their summed squared norm, when the last of them synced (the node's clock), and which of
+    them were not finite."""
 
     node: int
     generation: int
@@ -272,6 +276,7 @@ class NodeSynced:
     compute_s: float
     norm_sq: float | None
     t_synced: float
+    corrupt: tuple[int, ...] = ()  # its trainers whose own gradients or loss were not finite before the sync
 
 
 @dataclass(frozen=True)
@@ -400,7 +405,7 @@ class Shutdown:
     generation: int
     why: str
     grace_s: float = 0.0
-    ended: bool = False  # the job itself ended (a late agent is told so, not refused)
+    outcome: int | None = None  # the job ended: the ExitCode node 0 exits with, which every agent exits with too
 
 
 PUSHED = (Moves, Publish, Begin, Commit, Flag, End)

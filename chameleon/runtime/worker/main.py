@@ -45,7 +45,7 @@ from chameleon.layout.geometry import geometry_of, sync_rounds, writers
 from chameleon.layout.groups import plan_groups
 from chameleon.layout.schedule import step_actions
 from chameleon.model.spec import spec_of
-from chameleon.runtime.checkpoint import CheckpointWriter, checkpoint_root, latest_checkpoint, load_regions
+from chameleon.runtime.checkpoint import CheckpointWriter, checkpoint_at, checkpoint_root, load_regions
 from chameleon.runtime.node.beacon import Beacon
 from chameleon.runtime.node.downlink import Inbox
 from chameleon.runtime.protocol import codec
@@ -303,7 +303,7 @@ def _establish(
     if gen_spec.checkpoint is not None:
         faults.phase("transfer", step=resume)
         regions = stage_regions(model, role, spec_of(model).param_shapes(model))
-        info = latest_checkpoint(Path(gen_spec.checkpoint))
+        info = checkpoint_at(Path(gen_spec.checkpoint), resume)  # the one the controller chose, by its step
         loaded = gen.call(partial(load_regions, info, regions), peer_errors=False)
         return StageState(loaded, regions, train=train, device=device)
     return StageState.create(model, role, seed=train.seed, train=train, device=device)
@@ -319,6 +319,7 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
     without a stage follow the commits until one ends the generation.
     """
     train, plan, me = cfg.train, gen_spec.plan, gen.me
+    faults.gradients = state.corrupt_gradients if state is not None else None
     if state is None:
         return _idle(gen_spec, gen=gen, pushed=pushed, steps=train.steps, faults=faults)
     role = role_of(plan, me)
@@ -338,22 +339,26 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
 
     for step in range(gen_spec.resume_step, train.steps):
         validate(step)
-        faults.step_started(step, typical(compute_s, 0.05))
-        start = time.perf_counter()
-        try:
-            result = run_step(
-                step, plan=plan, actions=actions, state=state, stream=streams.train, gen=gen, model=model, train=train,
-                rounds=rounds, tp=tp, norm_regions=norm_regions, on_phase=faults.phase,
-            )
-            compute_s.append(time.perf_counter() - start)
-            faults.step_synced()
-            uplink.send(Synced(me, gen.generation, step, result.loss_sum, sample_ranges(result.sample_ids),
-                               compute_s[-1], result.norm_sq))
-            faults.phase("commit", step=step)
-            commit = pushed.commit(gen, step)
-        except PeerFailure:
-            state.discard_gradients()
-            raise
+        commit = None
+        while commit is None or commit.order.replay:  # a step that was not finite is trained again
+            if commit is not None:
+                state.discard_gradients()
+            faults.step_started(step, typical(compute_s, 0.05))
+            start = time.perf_counter()
+            try:
+                result = run_step(
+                    step, plan=plan, actions=actions, state=state, stream=streams.train, gen=gen, model=model,
+                    train=train, rounds=rounds, tp=tp, norm_regions=norm_regions, on_phase=faults.phase,
+                )
+                compute_s.append(time.perf_counter() - start)
+                faults.step_synced()
+                uplink.send(Synced(me, gen.generation, step, result.loss_sum, sample_ranges(result.sample_ids),
+                                   compute_s[-1], result.norm_sq, result.finite))
+                faults.phase("commit", step=step)
+                commit = pushed.commit(gen, step)
+            except PeerFailure:
+                state.discard_gradients()
+                raise
         faults.phase("optimizer", step=step)
         state.optimizer_step(step, grad_norm=commit.grad_norm)
         saver.after_step(step + 1, state, force=commit.order.save)
@@ -371,6 +376,8 @@ def _idle(gen_spec: GenerationSpec, *, gen: Generation, pushed: _Pushed, steps: 
     for step in range(gen_spec.resume_step, steps):
         faults.idle_step(step)
         order = pushed.commit(gen, step).order
+        while order.replay:
+            order = pushed.commit(gen, step).order
         if order.stop or order.switch_to is not None:
             return order
     return None

@@ -6,6 +6,7 @@ devices exchanging several kinds of traffic can never mismatch them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,12 +35,13 @@ def message_tag(pipeline: int, sender_stage: int, backward: bool) -> int:
 
 @dataclass
 class StepResult:
-    """What one device contributes to a step: summed loss, the samples it trained (last stages), and its part
-    of the squared global gradient norm (when clipping)."""
+    """What one device contributes to a step: summed loss, the samples it trained (last stages), its part
+    of the squared global gradient norm (when clipping), and whether its own loss and gradients were finite."""
 
     loss_sum: float = 0.0
     sample_ids: list[int] = field(default_factory=list)
     norm_sq: float | None = None  # Σ‖g‖² over this device's pieces of the plan's gradient, when train.clip_norm > 0
+    finite: bool = True  # before the sync, so a device that computed a non-finite value is the one named
 
 
 class _Forwards:
@@ -108,7 +110,9 @@ def run_step(
     sum of squares of this device's pieces of the gradient follows the sync
     (``norm_regions``, its part of :func:`chameleon.layout.geometry.writers`: over the plan they tile
     every tensor once, whatever the pipelines, TP degrees and reroutes); the
-    controller adds the parts up, so the global norm costs no collective.
+    controller adds the parts up, so the global norm costs no collective. Before the
+    sync, whether this device's own loss and gradients are finite (``result.finite``):
+    the controller commits no step that is not, and names the device that made it so.
     ``on_phase(phase, step=, detail=)`` is called as each forward/backward (detail:
     the micro-batch) and each sync round starts: the worker's beacon and its fault
     injection hook in there.
@@ -142,6 +146,7 @@ def run_step(
         if s > 0:
             forward.sends.append(gen.send(x.grad.contiguous(), executors(plan, p, s - 1, i)[t], tag=message_tag(p, s, True)))
     gen.wait(*forward.sends)
+    result.finite = math.isfinite(result.loss_sum) and state.grads_finite()
     sync_gradients(rounds, state=state, gen=gen, on_round=None if on_phase is None else partial(on_phase, "sync", step=step))
     if train.clip_norm > 0:
         result.norm_sq = state.grad_sum_of_squares(norm_regions or {}).item()

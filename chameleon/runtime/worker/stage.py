@@ -119,6 +119,15 @@ class StageState:
         pieces = (g[local_slices(regions[n], self.regions[n])] for n, g in zip(regions, self.grads(list(regions))))
         return sum_of_squares(pieces, device=self.device)
 
+    def grads_finite(self) -> bool:
+        """Whether every gradient this device holds is finite (``Σ‖g‖²`` overflowing counts as not)."""
+        names = list(self.regions)
+        return bool(torch.isfinite(sum_of_squares(self.grads(names), device=self.device)).item())
+
+    def corrupt_gradients(self, value: float) -> None:
+        """Write ``value`` into one element of this device's gradients (``failure.kind=corrupt``)."""
+        self.grads(list(self.regions)[:1])[0].view(-1)[0] = value
+
     def discard_gradients(self) -> None:
         """Drop an abandoned step's gradients (and its bf16 copies' graph)."""
         self._new_step()

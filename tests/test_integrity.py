@@ -1,0 +1,52 @@
+"""No step that is not finite is committed: a corrupt gradient is replayed and its device named; a run that
+diverges stops naming the step and its samples. Real workers, compared with the single-process reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import SMALL_RUN, assert_nothing_lost, committed, run_entry
+
+DP2_PP2 = ("launcher.nproc_per_node=4", "parallel.dp=2", "parallel.pp=2")  # pipe0 on devices 0, 1; pipe1 on 2, 3
+
+
+def events(run) -> list[dict]:
+    return [json.loads(x) for x in (run.run_dir / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("on_corrupt", ["replay", "evict"])
+def test_a_nan_in_one_workers_gradients_is_replayed_never_committed_and_its_device_named(tmp_path, reference_run,
+                                                                                         on_corrupt):
+    run = run_entry("train", tmp_path / "run", *SMALL_RUN, *DP2_PP2, "failure=corrupt", "failure.rank=1",
+                    "failure.step=3", f"ft.on_corrupt={on_corrupt}", "policy.name=dynamic")
+    got = assert_nothing_lost(run, reference_run)  # the failure-free losses, samples and parameters
+    log = events(run)
+    (bad,) = [e for e in log if e["event"] == "not_finite"]
+    assert bad["step"] == 3 and bad["corrupt"] == [1] and bad["replay"]
+    (replayed,) = [e for e in log if e["event"] == "replayed"]
+    assert replayed["step"] == 3 and replayed["suspects"] == [1] and replayed["evicted"] == (on_corrupt == "evict")
+    assert "chameleon: step 3 is not finite (" in run.stderr and "devices [1] not finite before the sync" in run.stderr
+    assert ("devices [1], whose own gradients were not finite, " + ("are evicted" if on_corrupt == "evict" else
+            "stay (ft.on_corrupt=replay)")) in run.stderr
+    assert sorted(committed(run)) == list(range(6)), "every step committed once, step 3 only after its replay"
+    if on_corrupt == "evict":
+        (recovery,) = got["recoveries"]
+        assert recovery["failed_ranks"] == [1] and recovery["step"] == 4
+    else:
+        assert got["recoveries"] == []
+
+
+@pytest.mark.full
+def test_a_run_that_diverges_stops_naming_the_step_and_its_samples(tmp_path):
+    """A learning rate so large that the loss overflows on every device after the first update: the step is not
+    finite, nor is its replay; the run stops there with one line, and nothing after the last good step commits."""
+    run = run_entry("train", tmp_path / "run", *SMALL_RUN, *DP2_PP2, "train.lr=1e30", "train.lr_schedule=constant",
+                    "train.warmup_steps=0")
+    assert run.returncode == 1, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("chameleon: training failed: step 1 is not finite again on its replay"), last
+    assert "the data or the model diverged, not a device: samples [8, 16); nothing after step 0 is committed" in last
+    assert sorted(committed(run)) == [0]
+    assert not run.leftover_workers()
