@@ -1,6 +1,6 @@
 """What checkpoint checksums cost: write, restore and verify times with and without them.
 
-    python benchmarks/bench_integrity.py [--repeats 3] [--json FILE]
+    python benchmarks/bench_integrity.py [--repeats 3] [--json FILE] [--quick]
 
 For the default model (``model=tiny``) and one of over 200 MB of state, the state of a
 dp2 × pp2 job (fp32 parameters and both AdamW moments) is saved by its writer devices
@@ -18,6 +18,16 @@ run), committed, then read back. Per model, the median over ``--repeats``:
 
 The files are read back from the page cache (they were just written): the figures are
 the CPU's cost, not the disk's.
+
+Then, on the default job (``python -m chameleon.train``: 4 workers, dp2 × pp2), run for
+real with no fault:
+
+- the replicas' digests: the median step time (steps 10 on) at ``ft.digest_interval``
+  0 (off), 1, 10 (the default) and 100, each ÷ the time with them off;
+- a corrupt gradient (``failure=corrupt``, a NaN in device 1's gradients in step 50): from
+  the controller seeing the step not finite to the replay committed, against the median step.
+
+``--quick``: the default model alone and 30-step jobs (the smoke test's).
 """
 
 from __future__ import annotations
@@ -75,7 +85,7 @@ def measure(overrides: dict, repeats: int) -> dict:
             t0 = time.perf_counter()
             for ts in full.values():
                 for t in ts.values():
-                    ck._checksum(t)
+                    ck.checksum(t)
             runs["crc_s"].append(time.perf_counter() - t0)
             info = ck.latest_checkpoint(root)
             runs["restore_s"].append(_timed(lambda: [ck.load_regions(info, need) for need in needs]))
@@ -93,6 +103,43 @@ def measure(overrides: dict, repeats: int) -> dict:
     return row
 
 
+def run_job(workdir: Path, *overrides: str) -> tuple[list[dict], list[dict]]:
+    """The default job with ``overrides``, for real: its metrics and events."""
+    import os
+    import subprocess
+
+    run_dir = workdir / f"run{len(list(workdir.iterdir()))}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "chameleon.train", f"hydra.run.dir={run_dir}", "output.progress=false",
+                    "report.plots=false", *overrides], check=True, env=env, capture_output=True, cwd=workdir)
+    read = [[json.loads(x) for x in (run_dir / name).read_text().splitlines()] for name in ("metrics.jsonl", "events.jsonl")]
+    return read[0], read[1]
+
+
+def median_step(metrics: list[dict]) -> float:
+    return statistics.median(m["step_time_s"] for m in metrics if m["step"] >= 10)
+
+
+def job_costs(repeats: int, *, steps: int) -> dict:
+    """The digests' cost per step, and a corrupt gradient's replay, on the default job of ``steps`` steps."""
+    out: dict = {"digest": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        for _ in range(repeats):  # interleaved, so a change of load weighs on every setting alike
+            for interval in (0, 1, 10, 100):
+                metrics, _ = run_job(workdir, "failure=none", f"ft.digest_interval={interval}", f"train.steps={steps}")
+                out["digest"].setdefault(interval, []).append(median_step(metrics))
+        metrics, events = run_job(workdir, "failure=corrupt", f"failure.step={steps // 2}", f"train.steps={steps}")
+        seen = next(e["time"] for e in events if e["event"] == "not_finite")
+        replayed = next(e["time"] for e in events if e["event"] == "replayed")
+        out["replay_s"] = round(replayed - seen, 4)
+        out["replay_step_median_s"] = round(median_step(metrics), 4)
+    off = statistics.median(out["digest"][0])
+    out["digest"] = {k: {"step_s": round(statistics.median(v), 5), "ratio": round(statistics.median(v) / off, 3)}
+                     for k, v in out["digest"].items()}
+    return out
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -103,17 +150,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--quick", action="store_true", help="the default model alone, 30-step jobs")
     args = parser.parse_args()
     header("one process, the writers' threads as in a run")
     rows = {}
     print(f"{'model':<20} {'state MB':>9} {'write s':>8} {'crc s':>7} {'restore s':>10} {'unchecked s':>12} "
           f"{'ratio':>6} {'verify s':>9}")
-    for name, overrides in MODELS.items():
+    for name, overrides in list(MODELS.items())[:1 if args.quick else None]:
         r = rows[name] = measure(overrides, args.repeats)
         print(f"{name:<20} {r['state_mb']:>9.1f} {r['write_s']:>8.3f} {r['crc_s']:>7.3f} {r['restore_s']:>10.3f} "
               f"{r['restore_unchecked_s']:>12.3f} {r['restore_ratio']:>6.2f} {r['verify_s']:>9.3f}", flush=True)
+    steps = 30 if args.quick else 100
+    jobs = job_costs(args.repeats, steps=steps)
+    print("\nthe default job (4 workers, dp2 × pp2), median step from step 10:")
+    for interval, r in jobs["digest"].items():
+        print(f"  ft.digest_interval={interval:<4} {r['step_s'] * 1e3:7.2f} ms  ÷ off {r['ratio']:.3f}")
+    print(f"  a NaN gradient in step {steps // 2}: not finite → replay committed {jobs['replay_s'] * 1e3:.1f} ms "
+          f"(a step: {jobs['replay_step_median_s'] * 1e3:.1f} ms)")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps({"checkpoints": rows, "job": jobs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -183,6 +183,11 @@ class FaultToleranceConfig:
     # not finite is named, and kept (replay) or evicted as a lost device (evict). A replay not finite again stops
     # the run, naming the step and its samples (the data or the model diverged).
     on_corrupt: OnCorrupt = OnCorrupt.replay
+    # Replica agreement: every step each trainer digests a 1/digest_interval slice of its state (parameters and
+    # moments, as used by that step), so each tensor is digested once every digest_interval steps; replicas of a
+    # region that disagree keep the step from committing, and the holders outvoted (all of them, with no majority:
+    # the newest checkpoint arbitrates) are lost devices. 0: off.
+    digest_interval: int = 10
 
 
 @dataclass
@@ -354,6 +359,7 @@ def validate(cfg: DictConfig) -> Plan:
         check(ft[key] > 0, f"ft.{key}={ft[key]}: must be > 0")
     budget = cfg.policy.decide_budget_s
     check(budget is None or budget > 0, f"policy.decide_budget_s={budget}: null (unbounded) or > 0 seconds")
+    check(ft.digest_interval >= 0, f"ft.digest_interval={ft.digest_interval}: use 0 (off) or a positive step count")
     check(ft.fault_domain_nodes >= 1, f"ft.fault_domain_nodes={ft.fault_domain_nodes}: plan ahead for at least one node")
     check(ft.stall_timeout_s is None or ft.stall_timeout_s > 0, f"ft.stall_timeout_s={ft.stall_timeout_s}: null or > 0")
     check(cfg.ckpt.interval >= 0, f"ckpt.interval={cfg.ckpt.interval}: use 0 (off) or a positive step count")

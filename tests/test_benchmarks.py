@@ -52,3 +52,9 @@ def test_bench_data_small(tmp_path):
                "--json", str(tmp_path / "data.json"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "shards byte-identical across worker counts: yes" in proc.stdout and "stream ratio" in proc.stdout
+
+
+def test_bench_integrity_quick(tmp_path):
+    proc = run("bench_integrity.py", "--quick", "--repeats", "1", "--json", str(tmp_path / "integrity.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tiny (the default)" in proc.stdout and "ft.digest_interval=10" in proc.stdout and "replay committed" in proc.stdout

@@ -425,3 +425,30 @@ def test_a_step_not_finite_again_on_its_replay_stops_the_run_naming_it_and_its_s
     with pytest.raises(TrainingError, match=r"step 1 is not finite again on its replay .* samples \[8, 16\); "
                                             r"nothing after step 0 is committed"):
         step(core, 1, norm=(NAN, NAN))
+
+
+def test_replicas_that_disagree_keep_the_step_open_and_every_holder_without_a_majority_is_lost():
+    """dp2 × pp2: devices 1 and 3 hold the same layers. Their digests differ and neither has a majority, so both are
+    lost; with no checkpoint, no survivor holds those layers and the run stops saying so."""
+    core = started(core_of("policy.name=dynamic"))
+    step(core, 0)
+    core.handle(Received(0, NodeSynced(0, 0, 1, (0, 1), 0.5, ((8, 12),), 0.1, 1.0, 0.0, (), ((0, 5), (1, 6)))))
+    with pytest.raises(TrainingError, match=r"no recovery is possible after losing devices \[1, 3\]"):
+        core.handle(Received(1, NodeSynced(1, 0, 1, (2, 3), 0.5, ((12, 16),), 0.1, 1.0, 0.0, (), ((2, 5), (3, 7)))))
+    assert core.ledger.committed == 0, "the step whose state disagreed is not committed"
+    (disagreement,) = [e.event for e in of(core.out, Record) if e.event["event"] == "disagreement"]
+    assert disagreement["step"] == 1 and disagreement["outvoted"] == [1, 3]
+    assert sent(core.out, Flag) == [Flag(0)]
+
+
+def test_a_step_not_finite_again_on_the_same_devices_alone_evicts_them():
+    """A parameter corrupted on device 1 makes every try of the step non-finite there (and on device 0, which
+    receives its gradients), not on the other pipeline: the devices are evicted, not the run stopped."""
+    core = started(core_of("policy.name=dynamic"))
+    step(core, 0)
+    step(core, 1, norm=(NAN, 3.0), corrupt=((0, 1), ()))
+    out = step(core, 1, norm=(NAN, 3.0), corrupt=((0, 1), ()))
+    (fault,) = [e.event for e in of(out, Record) if e.event["event"] == "fault"]
+    assert fault["failed_ranks"] == [0, 1] and "not finite in step 1 and its replay" in fault["cause"]
+    (publish,) = sent(out, Publish)
+    assert set(publish.spec.devices) == {2, 3} and publish.spec.resume_step == 1

@@ -50,3 +50,21 @@ def test_a_run_that_diverges_stops_naming_the_step_and_its_samples(tmp_path):
     assert "the data or the model diverged, not a device: samples [8, 16); nothing after step 0 is committed" in last
     assert sorted(committed(run)) == [0]
     assert not run.leftover_workers()
+
+
+@pytest.mark.full
+def test_a_flipped_parameter_bit_on_one_replica_is_found_by_the_digests_and_the_checkpoint_arbitrates(
+        tmp_path, reference_run):
+    """The lowest bit of one parameter of device 3 flipped after step 3's commit: finite, so only the replicas'
+    digests can tell. Device 1, the other holder of those layers, disagrees at the next step and there is no
+    majority: both are lost, the step is not committed, and the newest checkpoint (written by pipeline 0's
+    devices, not the corrupted replica) restores the layers; the run ends at the failure-free losses."""
+    run = run_entry("train", tmp_path / "run", *SMALL_RUN, *DP2_PP2, "failure=corrupt", "failure.rank=3",
+                    "failure.step=3", "failure.target=param", "failure.value=flip", "failure.phase=optimizer",
+                    "ft.digest_interval=1", "ckpt.interval=2")
+    got = assert_nothing_lost(run, reference_run)
+    (disagreement,) = [e for e in events(run) if e["event"] == "disagreement"]
+    assert disagreement["step"] == 4 and disagreement["outvoted"] == [1, 3]
+    (recovery,) = got["recoveries"]
+    assert recovery["failed_ranks"] == [1, 3] and recovery["chosen"] == "checkpoint"
+    assert "chameleon: replicas disagree before step 4: devices [1, 3] are outvoted" in run.stderr

@@ -153,3 +153,22 @@ def test_a_validation_loss_is_whole_once_every_node_with_trainers_reported_it():
     led.on_evaluated(NodeEvaluated(0, 0, 6, (0,), 1.0))
     led.break_generation()  # a lost member: its generation's half-booked validation never completes
     assert led.on_evaluated(NodeEvaluated(1, 0, 6, (1,), 1.0)) is None
+
+
+def test_a_step_whose_replicas_disagree_does_not_commit_and_names_the_outvoted():
+    """Devices 0, 1, 2 hold the same regions (one node each): the one digest unlike the others' is outvoted."""
+    def run(digests: dict[int, int]) -> CommitStep:
+        led = Ledger(global_batch=B, steps=3, topology=Topology(nnodes=3, per_node=1))
+        led.publish(0, members=(0, 1, 2), trainers=(0, 1, 2), writers=(0,), resume_step=0, replica_groups=((0, 1, 2),))
+        started(led)
+        for node, ids in ((0, [0]), (1, [1]), (2, [2, 3])):
+            message = synced(node, 0, ids)
+            out = led.on_synced(NodeSynced(*[getattr(message, f) for f in ("node", "generation", "step", "devices",
+                                                                         "loss_sum", "samples", "compute_s", "norm_sq",
+                                                                         "t_synced")], (), ((node, digests[node]),)))
+        assert led.committed == (0 if out.commits else -1)
+        return out
+
+    assert run({0: 7, 1: 7, 2: 7}).outvoted == ()
+    assert run({0: 7, 1: 9, 2: 7}).outvoted == (1,)
+    assert run({0: 7, 1: 8, 2: 9}).outvoted == (0, 1, 2), "no majority: every holder is named"

@@ -17,7 +17,7 @@ from chameleon.decision.measured import Measured
 from chameleon.decision.planner import Planner
 from chameleon.decision.profiler import Profile
 from chameleon.decision.selector import Decision, decide, decide_growth
-from chameleon.layout.geometry import writers
+from chameleon.layout.geometry import replica_groups, writers
 from chameleon.layout.plan import Plan
 from chameleon.layout.relayout import Manifest, relayout
 from chameleon.layout.spec import Layout
@@ -87,6 +87,10 @@ class Coordinator:
     def writers(self, plan: Plan) -> tuple[int, ...]:
         """The devices that write checkpoints under ``plan``."""
         return tuple(sorted(writers(self.layout(plan))))
+
+    def replica_groups(self, plan: Plan) -> tuple[tuple[int, ...], ...]:
+        """The devices under ``plan`` that hold the same regions (:func:`chameleon.layout.geometry.replica_groups`)."""
+        return replica_groups(self.layout(plan))
 
     def step_estimate(self, plan: Plan) -> float:
         """The estimator's step time of ``plan`` (the last plan's is kept: the resident plan is asked often)."""

@@ -41,7 +41,7 @@ class WorkerFaults:
         self._timer: threading.Timer | None = None
         self._fired: set[FaultSpec] = set()
         self._rng = random.Random(device)
-        self.gradients: Callable[[float], None] | None = None  # where a corrupt fault writes (the stage's, in training)
+        self.stage = None  # where a corrupt fault writes: the worker's StageState while it trains, else None
 
     def enter(self, generation: int, *, resume_step: int, firer: bool) -> None:
         """Start on a generation; ``firer``: this device fires its node's faults in it."""
@@ -124,8 +124,8 @@ class WorkerFaults:
             raise RuntimeError(f"injected error ({f.describe()})")
         elif f.kind == "device_error":
             raise DeviceFault(f"injected device fault ({f.describe()})")
-        elif f.kind == "corrupt" and self.gradients is not None:  # a device without a stage has none
-            self.gradients(float(f.value))
+        elif f.kind == "corrupt" and self.stage is not None:  # a device without a stage holds nothing to corrupt
+            self.stage.corrupt(f.target, f.value)
         elif f.kind == "node_kill":
             threading.Event().wait()  # the agent takes the whole node down, this process with it
 

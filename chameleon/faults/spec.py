@@ -8,8 +8,9 @@ Kinds of fault, each on a device (``rank``) or a whole node (``node``):
   (caught only by the progress watchdog);
 - ``error`` / ``device_error``: an exception in the worker — an error of the run,
   which stops it, or a fault of the device itself, which loses that device;
-- ``corrupt``: a ``value`` (``nan`` or ``inf``) written into the worker's gradients in the
-  ``backward`` of ``step``, once (silent data corruption: the step is replayed, never committed);
+- ``corrupt``: silent data corruption, once: ``value`` (``nan``, ``inf``, or ``flip``: its lowest bit
+  flipped) in one element of the worker's gradients (``target=grad``, in the ``backward`` of ``step``) or
+  of its parameters (``target=param``, at the ``optimizer`` phase of ``step``, after its commit);
 - ``stuck_abort``: from ``step`` on, the worker's next abort of a broken generation's
   communicators never returns (as ``ncclCommAbort`` can block when a peer cannot abort);
   it takes another fault to break a generation, so it comes in a ``schedule``;
@@ -75,11 +76,19 @@ class FaultPhase(StrEnum):
     decision = "decision"
 
 
+class CorruptTarget(StrEnum):
+    """What a ``corrupt`` fault writes into: a gradient (in the backward) or a parameter (after the commit)."""
+
+    grad = "grad"
+    param = "param"
+
+
 class CorruptValue(StrEnum):
-    """What a ``corrupt`` fault writes into a gradient."""
+    """What a ``corrupt`` fault writes: ``nan``, ``inf``, or the element with its lowest bit flipped."""
 
     nan = "nan"
     inf = "inf"
+    flip = "flip"
 
 
 P, K = FaultPhase, FaultKind
@@ -104,12 +113,13 @@ class FaultSpec:
     at_s: float | None = None
     round: int | None = None
     resume_after_s: float | None = None
-    value: CorruptValue = CorruptValue.nan  # kind=corrupt: what is written into a gradient
+    target: CorruptTarget = CorruptTarget.grad  # kind=corrupt: what is corrupted
+    value: CorruptValue = CorruptValue.nan  # kind=corrupt: what is written
 
     def describe(self) -> str:
         who = f"node {self.node}" if self.kind in NODE_KINDS else f"device {self.rank}"
         when = f"at {self.at_s:g} s" if self.at_s is not None else f"in step {self.step}, phase {self.phase}"
-        what = f" ({self.value})" if self.kind == FaultKind.corrupt else ""
+        what = f" ({self.target} {self.value})" if self.kind == FaultKind.corrupt else ""
         return f"{self.kind}{what} of {who} {when}"
 
 
@@ -123,7 +133,8 @@ class FailureConfig:
     phase: FaultPhase = FaultPhase.any
     round: int | None = None  # phase=transfer: the round (default: the victim's first)
     resume_after_s: float = 3.0  # node_hang: the agent is resumed (SIGCONT) this long after it stopped
-    value: CorruptValue = CorruptValue.nan  # corrupt: nan | inf, written into a gradient
+    target: CorruptTarget = CorruptTarget.grad  # corrupt: grad | param
+    value: CorruptValue = CorruptValue.nan  # corrupt: nan | inf | flip
     faults: list[FaultSpec] = field(default_factory=list)  # kind=schedule
     mtbf_s: float = 6.0  # kind=random: mean time between faults over the whole job
     max_faults: int = 2  # kind=random
@@ -145,7 +156,7 @@ def planned_faults(cfg: FailureConfig, *, world: int, nnodes: int = 1) -> list[F
         faults = []
     elif kind in list(FaultKind):
         faults = [FaultSpec(kind=kind, rank=cfg.rank, node=cfg.node, step=cfg.step, phase=cfg.phase, round=cfg.round,
-                            resume_after_s=cfg.resume_after_s, value=cfg.value)]
+                            resume_after_s=cfg.resume_after_s, target=cfg.target, value=cfg.value)]
     elif kind == "schedule":
         if not cfg.faults:
             raise ValueError("failure=schedule with an empty failure.faults: list faults, or use failure=none")
@@ -210,12 +221,23 @@ def _check_fault(f: FaultSpec, *, key: str, world: int, nnodes: int) -> None:
                          "step only (phase=any, no at_s)")
     if f.phase == "decision" and f.kind != "kill":
         raise ValueError(f"{key}: phase=decision fires from the controller and only kills: use kind=kill")
-    if f.kind == K.corrupt and (f.phase != "backward" or f.value not in list(CorruptValue)):
-        raise ValueError(f"{key}.phase={f.phase}: {K.corrupt} writes its value into the gradients of a step's "
-                         f"backward: set {key}.phase=backward (and {key}.value to one of {', '.join(CorruptValue)})")
+    if f.kind == K.corrupt:
+        _check_corrupt(f, key)
     if f.kind in MAIN_THREAD_KINDS and (f.phase == "any" or f.at_s is not None):
         raise ValueError(f"{key}.kind={f.kind} acts on the worker's own thread: pin it to a phase "
                          "(forward, backward, sync, optimizer or a recovery phase), not phase=any or at_s")
+
+
+def _check_corrupt(f: FaultSpec, key: str) -> None:
+    if f.target not in list(CorruptTarget) or f.value not in list(CorruptValue):
+        raise ValueError(f"{key}: {K.corrupt} takes target={'|'.join(CorruptTarget)} and value={'|'.join(CorruptValue)}")
+    phase = {CorruptTarget.grad: P.backward, CorruptTarget.param: P.optimizer}[f.target]
+    if f.phase != phase:
+        raise ValueError(f"{key}.phase={f.phase}: a {K.corrupt} of a {f.target} strikes in the {phase} phase: set "
+                         f"{key}.phase={phase}")
+    if f.target == CorruptTarget.grad and f.value == CorruptValue.flip:
+        raise ValueError(f"{key}: a flipped bit of a gradient is finite and reaches every replica through the sync, "
+                         "where nothing can tell it: use value=nan or inf, or target=param")
 
 
 def worker_faults(faults: list[FaultSpec]) -> list[FaultSpec]:

@@ -37,7 +37,7 @@ import numpy as np
 
 from chameleon.layout.colouring import SyncGroup, conflict_colours
 from chameleon.layout.plan import Plan, Stage
-from chameleon.layout.spec import Layout, Region, region_numel, shard_region
+from chameleon.layout.spec import Layout, Region, device_holdings, region_numel, shard_region
 
 EMBEDDING = -1
 """The embedding's unit id; layers are ``0 … L−1`` and the head is ``L``."""
@@ -398,3 +398,12 @@ def writers(layout: Layout) -> dict[int, dict[str, Region]]:
                 written.add(region)
                 out.setdefault(device, {})[spec.name] = region
     return out
+
+
+def replica_groups(layout: Layout) -> tuple[tuple[int, ...], ...]:
+    """The devices that hold exactly the same regions of exactly the same tensors, in groups of two or more: the
+    replicas whose state must agree byte for byte after every optimizer step."""
+    by_holdings: dict[tuple, list[int]] = {}
+    for device, held in sorted(device_holdings(layout).items()):
+        by_holdings.setdefault(tuple(sorted(held.items())), []).append(device)
+    return tuple(tuple(group) for group in by_holdings.values() if len(group) > 1)

@@ -203,7 +203,7 @@ class CheckpointWriter:
 
     def _write(self, path: Path, snapshot: dict[str, dict[str, Tensor]], index: dict) -> None:
         try:
-            index["checksums"] = {kind: {name: _checksum(t) for name, t in ts.items()} for kind, ts in snapshot.items()}
+            index["checksums"] = {kind: {name: checksum(t) for name, t in ts.items()} for kind, ts in snapshot.items()}
             path.parent.mkdir(parents=True, exist_ok=True)
             _atomic_write(path, lambda f: torch.save(snapshot, f))
             _atomic_write(path.with_suffix(".json"), lambda f: f.write(json.dumps(index).encode()))
@@ -387,15 +387,16 @@ def _read_shards(path: Path, entry: Mapping[str, Any], *, names: Collection[str]
         raise DamagedCheckpoint(f"{path} is missing or damaged ({reason})") from None
     for kind, sums in entry.get("checksums", {}).items():
         for name in names:
-            if _checksum(stored[kind][name]) != sums[name]:
+            if checksum(stored[kind][name]) != sums[name]:
                 raise DamagedCheckpoint(f"{path} is damaged: its {kind} of {name} does not match the checksum it "
                                         "was written with")
     return stored
 
 
-def _checksum(tensor: Tensor) -> int:
-    """CRC-32 of a CPU tensor's bytes: it catches bit rot and bad copies, at several GB/s (zlib's hardware CRC)."""
-    return zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+def checksum(tensor: Tensor, value: int = 0) -> int:
+    """CRC-32 of a tensor's bytes, continuing ``value``: it catches bit rot and bad copies, at several GB/s
+    (zlib's hardware CRC); a tensor on an accelerator is copied to the host first."""
+    return zlib.crc32(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy(), value)
 
 
 def _read_metadata(directory: Path) -> dict[str, Any]:

@@ -584,8 +584,14 @@ class Core:
                     self._start_generation()
                 self.last_progress = self.clock.mono()
             case NodeSynced():
-                if (commit := self.ledger.on_synced(msg)) is not None:
-                    self._commit(commit) if commit.finite else self._replay(commit)
+                if (commit := self.ledger.on_synced(msg)) is None:
+                    pass
+                elif commit.outvoted:
+                    self._disagreed(commit)
+                elif commit.finite:
+                    self._commit(commit)
+                else:
+                    self._replay(commit)
             case NodeEvaluated():
                 if (evaluation := self.ledger.on_evaluated(msg)) is not None:
                     self._validated(evaluation)
@@ -645,7 +651,7 @@ class Core:
         self.spec = GenerationSpec(self.generation, plan, members, resume_step, manifest, checkpoint, writers,
                                    moves=manifest is not None, evaluated=max(self.val_losses, default=-1))
         self.ledger.publish(self.generation, members=members, trainers=plan.devices, writers=writers,
-                            resume_step=resume_step)
+                            resume_step=resume_step, replica_groups=self.coordinator.replica_groups(plan))
         self.done.clear()  # a generation after the last step (a fault in the final validation) ends anew
         self.final.clear()
         if manifest is not None:
@@ -671,18 +677,36 @@ class Core:
             if timeline is not None:
                 timeline.t_started = now
 
+    def _disagreed(self, c: CommitStep) -> None:
+        """Replicas of a region disagree: the step does not commit, and the outvoted holders are lost devices (all
+        of a group with no majority: the newest checkpoint arbitrates); the step is redone after the recovery."""
+        self._say(f"chameleon: replicas disagree before step {c.step}: devices {list(c.outvoted)} are outvoted by "
+                  "their replicas' digests (with no majority, every holder is): not committed; they are lost devices")
+        self._record(event="disagreement", step=c.step, outvoted=list(c.outvoted), time=self.clock.wall())
+        self._on_fault(set(c.outvoted), f"replicas' state digests disagreed before step {c.step}",
+                       t_fault=self.clock.wall(), where={}, source="reported")
+
     def _replay(self, c: CommitStep) -> None:
-        """A step that is not finite: nothing of it is applied; it is trained again, once.
+        """A step that is not finite: nothing of it is applied; it is trained again, once. Not finite again on the
+        same devices, and not on all, it is theirs: they are evicted (their state itself is corrupt).
 
         Raises:
-            TrainingError: its replay was not finite either (the data or the model, not a device).
+            TrainingError: its replay was not finite either, everywhere or elsewhere (the data or the model).
         """
         what = (f"loss {c.loss:.6g}, gradient norm {c.grad_norm if c.grad_norm is None else f'{c.grad_norm:.6g}'}; "
                 + (f"devices {list(c.corrupt)} not finite before the sync" if c.corrupt
                    else "every device finite before the sync"))
         samples = f"samples [{c.samples[0]}, {c.samples[1]})"
-        self._record(event="not_finite", step=c.step, loss=c.loss, grad_norm=c.grad_norm, corrupt=list(c.corrupt),
-                     replay=self.replaying is None, time=self.clock.wall())
+        self._record(event="not_finite", step=c.step, loss=str(c.loss), grad_norm=str(c.grad_norm),
+                     corrupt=list(c.corrupt), replay=self.replaying is None, time=self.clock.wall())  # "nan": JSON
+        persistent = self.replaying is not None and c.corrupt == self.replaying.corrupt != ()
+        if persistent and set(c.corrupt) < self.ledger.trainers:
+            self.replaying = None
+            self._say(f"chameleon: step {c.step} is not finite again on its replay, on the same devices "
+                      f"{list(c.corrupt)} alone ({what}): their state is corrupt; they are evicted")
+            self._on_fault(set(c.corrupt), f"its gradients were not finite in step {c.step} and its replay",
+                           t_fault=self.clock.wall(), where={}, source="reported")
+            return
         if self.replaying is not None:
             raise TrainingError(f"step {c.step} is not finite again on its replay ({what}; the first time: devices "
                                 f"{list(self.replaying.corrupt)}): the data or the model diverged, not a device: "

@@ -12,6 +12,7 @@ controller's protocol core feeds it and carries out what it returns.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from chameleon.runtime.protocol.errors import TrainingError
@@ -33,7 +34,9 @@ class CommitStep:
 
     ``grad_norm`` is the whole plan's gradient norm (the trainers' squared parts summed
     in node order), ``t_synced`` when the slowest node's last trainer synced, ``corrupt``
-    the trainers whose own gradients or loss were not finite before the sync.
+    the trainers whose own gradients or loss were not finite before the sync, ``outvoted``
+    the replicas whose state disagreed with the rest of their group (every one of a group
+    with no majority).
     """
 
     step: int
@@ -43,11 +46,17 @@ class CommitStep:
     grad_norm: float | None
     t_synced: float
     corrupt: tuple[int, ...] = ()
+    outvoted: tuple[int, ...] = ()
 
     @property
     def finite(self) -> bool:
         """Whether the step may commit: its loss and gradient norm are finite, and so was every trainer's part."""
         return not self.corrupt and math.isfinite(self.loss) and (self.grad_norm is None or math.isfinite(self.grad_norm))
+
+    @property
+    def commits(self) -> bool:
+        """Whether the step commits: finite, and every group of replicas agreed."""
+        return self.finite and not self.outvoted
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,7 @@ class Ledger:
         self.members: frozenset[int] = frozenset()
         self.trainers: frozenset[int] = frozenset()
         self.writers: frozenset[int] = frozenset()
+        self.replica_groups: tuple[tuple[int, ...], ...] = ()
         self.resume_step = first_step
         self.committed = first_step - 1
         self.ready: set[int] = set()
@@ -107,10 +117,12 @@ class Ledger:
     def next_step(self) -> int:
         return self.committed + 1
 
-    def publish(self, generation: int, *, members, trainers, writers, resume_step: int) -> None:
+    def publish(self, generation: int, *, members, trainers, writers, resume_step: int,
+                replica_groups: tuple[tuple[int, ...], ...] = ()) -> None:
         """A new generation: ``members`` establish it, ``trainers`` report steps, ``writers`` save checkpoints.
 
-        ``resume_step`` is the first step it trains (a checkpoint reload may go back).
+        ``resume_step`` is the first step it trains (a checkpoint reload may go back); the devices of each of
+        ``replica_groups`` hold the same regions, and their digests of a step must agree for it to commit.
         """
         if generation <= self.generation:
             raise ValueError(f"generation {generation} is not newer than {self.generation}")
@@ -118,6 +130,7 @@ class Ledger:
             raise ValueError("trainers must be members and writers trainers")
         self.generation = generation
         self.members, self.trainers, self.writers = frozenset(members), frozenset(trainers), frozenset(writers)
+        self.replica_groups = replica_groups
         self._trainers_on = {}
         for d in sorted(self.trainers):
             node = self.topology.node_of(d)
@@ -181,9 +194,10 @@ class Ledger:
             msg.step, sum(n.loss_sum for n in nodes), (start, stop), max(n.compute_s for n in nodes),
             math.sqrt(sum(norms)) if norms else None, max(n.t_synced for n in nodes),
             tuple(sorted(d for n in nodes for d in n.corrupt)),
+            _outvoted(self.replica_groups, dict(d for n in nodes for d in n.digests)),
         )
-        if step.finite:  # a step that is not finite stays open: it is replayed
-            self.committed = msg.step
+        if step.commits:  # a step that is not finite stays open for its replay; one whose replicas disagree, for
+            self.committed = msg.step  # the recovery from the loss of the outvoted
         return step
 
     def on_evaluated(self, msg: NodeEvaluated) -> Evaluation | None:
@@ -221,6 +235,17 @@ class Ledger:
 
     def _stale(self, generation: int) -> bool:
         return generation != self.generation or self.broken
+
+
+def _outvoted(groups: tuple[tuple[int, ...], ...], digests: dict[int, int]) -> tuple[int, ...]:
+    """The replicas whose digest differs from their group's majority; every one of a group with no majority."""
+    out = []
+    for group in groups:
+        held = {d: digests[d] for d in group if d in digests}
+        if len(set(held.values())) > 1:
+            value, count = Counter(held.values()).most_common(1)[0]
+            out += [d for d in held if 2 * count <= len(held) or held[d] != value]
+    return tuple(sorted(out))
 
 
 def _describe(ranges: list[tuple[int, int]]) -> str:

@@ -163,6 +163,7 @@ class Synced:
     compute_s: float
     norm_sq: float | None = None
     finite: bool = True  # its own gradients and loss were finite before the sync
+    digest: int | None = None  # CRC-32 of this step's slice of its state (ft.digest_interval), as the step used it
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,7 @@ class NodeSynced:
     norm_sq: float | None
     t_synced: float
     corrupt: tuple[int, ...] = ()  # its trainers whose own gradients or loss were not finite before the sync
+    digests: tuple[tuple[int, int], ...] = ()  # (device, digest) of its trainers that digested their state
 
 
 @dataclass(frozen=True)

@@ -319,7 +319,7 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
     without a stage follow the commits until one ends the generation.
     """
     train, plan, me = cfg.train, gen_spec.plan, gen.me
-    faults.gradients = state.corrupt_gradients if state is not None else None
+    faults.stage = state
     if state is None:
         return _idle(gen_spec, gen=gen, pushed=pushed, steps=train.steps, faults=faults)
     role = role_of(plan, me)
@@ -337,12 +337,14 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
                             train=train, tp=tp, on_phase=faults.phase)
             uplink.send(Evaluated(me, gen.generation, step, loss))
 
+    slots = cfg.ft.digest_interval
     for step in range(gen_spec.resume_step, train.steps):
         validate(step)
         commit = None
         while commit is None or commit.order.replay:  # a step that was not finite is trained again
             if commit is not None:
                 state.discard_gradients()
+            digest = state.digest(step % slots, slots) if slots else None  # of the state this step trains with
             faults.step_started(step, typical(compute_s, 0.05))
             start = time.perf_counter()
             try:
@@ -353,7 +355,7 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
                 compute_s.append(time.perf_counter() - start)
                 faults.step_synced()
                 uplink.send(Synced(me, gen.generation, step, result.loss_sum, sample_ranges(result.sample_ids),
-                                   compute_s[-1], result.norm_sq, result.finite))
+                                   compute_s[-1], result.norm_sq, result.finite, digest))
                 faults.phase("commit", step=step)
                 commit = pushed.commit(gen, step)
             except PeerFailure:

@@ -24,6 +24,7 @@ from chameleon.optim import (
     schedule_of,
     sum_of_squares,
 )
+from chameleon.runtime.checkpoint import checksum
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.dtype → the forward's dtype
@@ -124,9 +125,24 @@ class StageState:
         names = list(self.regions)
         return bool(torch.isfinite(sum_of_squares(self.grads(names), device=self.device)).item())
 
-    def corrupt_gradients(self, value: float) -> None:
-        """Write ``value`` into one element of this device's gradients (``failure.kind=corrupt``)."""
-        self.grads(list(self.regions)[:1])[0].view(-1)[0] = value
+    def digest(self, slot: int, slots: int) -> int:
+        """CRC-32 of the parameters and both moments of every ``slots``-th tensor this device holds (by name) from
+        ``slot``: replicas of the same regions give the same digest, or their state has diverged."""
+        value = 0
+        for name in sorted(self.regions)[slot::slots]:
+            for kind in KINDS:
+                value = checksum(self._state[kind][name], value)
+        return value
+
+    def corrupt(self, target: str, value: str) -> None:
+        """``failure.kind=corrupt``: one element of this device's first tensor's gradient (``target=grad``) or
+        parameter (``param``) made ``nan`` or ``inf``, or its lowest bit flipped (``flip``)."""
+        name = next(iter(self.regions))
+        element = (self.grads([name])[0] if target == "grad" else self._state["param"][name]).view(-1)[:1]
+        if value == "flip":
+            element.view(torch.int32).bitwise_xor_(1)
+        else:
+            element.fill_(float(value))
 
     def discard_gradients(self) -> None:
         """Drop an abandoned step's gradients (and its bf16 copies' graph)."""
