@@ -106,14 +106,6 @@ def run_ranks(target: Callable[..., None], world: int, *args, timeout_s: float =
     assert [p.exitcode for p in procs] == [0] * world
 
 
-def rot(path: Path, *, at: float = 0.5, n: int = 64) -> None:
-    """Bit rot: ``n`` bytes in place at fraction ``at`` of the file inverted, its size and every marker kept."""
-    data = bytearray(path.read_bytes())
-    start = int(len(data) * at)
-    data[start:start + n] = bytes(b ^ 0xFF for b in data[start:start + n])
-    path.write_bytes(bytes(data))
-
-
 def assert_nothing_lost(run: Run, reference: Run, *, drift: Drift = Drift()) -> dict:
     """The run ended well, lost and redid nothing (chameleon/report/compare.py), and left no process behind."""
     assert run.returncode == 0, run.stderr

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import rot
 
+from chameleon.faults.inject import rot
 from chameleon.layout.geometry import LostStateError, writers
 from chameleon.layout.plan import Pipeline, Plan, Stage, even_plan, plan_from_spec
 from chameleon.layout.spec import Layout, TensorSpec, device_holdings, layout_of
@@ -25,6 +25,7 @@ from chameleon.runtime.checkpoint import (
     config_digest,
     latest_checkpoint,
     load_regions,
+    set_aside,
     step_dir,
     verify_checkpoint,
     whole_checkpoint,
@@ -250,7 +251,7 @@ def test_bytes_changed_in_a_committed_shard_are_caught_and_the_newest_whole_chec
     with pytest.raises(DamagedCheckpoint, match=str(shard)):
         verify_checkpoint(info, SHAPES)
     found, damaged = whole_checkpoint(tmp_path, SHAPES)
-    assert found.step == 8 and len(damaged) == 1 and str(shard) in damaged[0]
+    assert found.step == 8 and [d for d, _ in damaged] == [newest] and str(shard) in damaged[0][1]
     loaded = load_regions(found, whole)
     for kind in KINDS:
         for name in SHAPES:
@@ -264,7 +265,8 @@ def test_whole_checkpoint_finds_none_when_every_one_is_damaged_and_refuses_anoth
         whole_checkpoint(tmp_path, {**SHAPES, "norm": (31,)})
     (only / "metadata.json").write_text("{")
     found, damaged = whole_checkpoint(tmp_path, SHAPES)
-    assert found is None and len(damaged) == 1 and "metadata.json is unreadable" in damaged[0]
+    assert found is None and len(damaged) == 1 and "metadata.json is unreadable" in damaged[0][1]
+    assert set_aside(only) == tmp_path / "step_00000004.damaged" and latest_checkpoint(tmp_path) is None
 
 
 def test_checkpoint_at_names_a_step_that_is_no_longer_complete(tmp_path):

@@ -68,3 +68,31 @@ def test_a_flipped_parameter_bit_on_one_replica_is_found_by_the_digests_and_the_
     (recovery,) = got["recoveries"]
     assert recovery["failed_ranks"] == [1, 3] and recovery["chosen"] == "checkpoint"
     assert "chameleon: replicas disagree before step 4: devices [1, 3] are outvoted" in run.stderr
+
+
+@pytest.fixture(scope="module")
+def eight_steps(tmp_path_factory):
+    """The single-process reference of SMALL_RUN's model and data over 8 steps."""
+    run = run_entry("train", tmp_path_factory.mktemp("ref8") / "run", *SMALL_RUN, "train.steps=8",
+                    "launcher.nproc_per_node=1")
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+@pytest.mark.full
+def test_a_damaged_checkpoint_met_by_an_in_run_restore_falls_back_to_the_newest_whole_one(tmp_path, eight_steps):
+    """Device 0's disk rots every checkpoint shard it writes from step 4 on. Both replicas of stage 0 are killed in
+    step 7, so only a checkpoint holds layers 0-1: the newest is damaged, a worker restoring it says so, and the
+    controller decides again with the one before it, until one is whole (step 2); the run ends at the failure-free
+    losses."""
+    faults = ("{kind:corrupt,rank:0,step:4,phase:optimizer,target:checkpoint,value:flip},"
+              "{kind:kill,rank:0,step:7,phase:forward},{kind:kill,rank:2,step:7,phase:forward}")
+    run = run_entry("train", tmp_path / "run", *SMALL_RUN, *DP2_PP2, "train.steps=8", "ckpt.interval=2",
+                    "ckpt.keep=3", "failure=schedule", f"failure.faults=[{faults}]")
+    got = assert_nothing_lost(run, eight_steps)
+    damaged = [e for e in events(run) if e["event"] == "damaged_checkpoint"]
+    assert damaged and [e["fallback"] for e in damaged][-1] == 2, damaged
+    assert all("gen0_device_0.pt is damaged" in e["why"] for e in damaged)
+    (recovery,) = got["recoveries"]
+    assert recovery["chosen"] == "checkpoint" and "damaged" in recovery["cause"]
+    assert "found the checkpoint it restores damaged" in run.stderr

@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ENV, Run, lingering, rot, run_entry
+from conftest import ENV, Run, lingering, run_entry
 
 from benchmarks._loopback import free_port_pair
 from benchmarks._processes import session_processes
+from chameleon.faults.inject import rot
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import param_shapes
 from chameleon.report.compare import mismatches

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from chameleon.faults.spec import DEVICE_KINDS, NODE_KINDS, STEP_PHASES, STUCK_ABORT, FaultSpec
+from chameleon.faults.spec import DEVICE_KINDS, NODE_KINDS, STEP_PHASES, STUCK_ABORT, CorruptTarget, FaultSpec
 from chameleon.runtime.node.beacon import Beacon
 from chameleon.runtime.protocol.errors import DeviceFault
 from chameleon.runtime.protocol.position import Position
@@ -107,9 +107,20 @@ class WorkerFaults:
                 self._announce(f, self.beacon.position())
                 threading.Event().wait()
 
+    def checkpoint_written(self, step: int, path: Path) -> None:
+        """This device wrote its shard file of the checkpoint of ``step`` committed steps: a ``corrupt`` of its
+        checkpoints from a step on rots it (a failing disk), before the checkpoint is committed."""
+        for f in self._mine:
+            if f.kind == "corrupt" and f.target == CorruptTarget.checkpoint and f.step <= step:
+                if f not in self._fired:
+                    self._fired.add(f)
+                    self._announce(f, self.beacon.position())
+                rot(path)
+
     def _armed(self) -> list[FaultSpec]:
         node = self._node if self._firer else []
-        return [f for f in self._mine + node if f not in self._fired and f.kind != STUCK_ABORT]
+        return [f for f in self._mine + node
+                if f not in self._fired and f.kind != STUCK_ABORT and f.target != CorruptTarget.checkpoint]
 
     def _fire(self, f: FaultSpec) -> None:
         self._fired.add(f)
@@ -128,6 +139,16 @@ class WorkerFaults:
             self.stage.corrupt(f.target, f.value)
         elif f.kind == "node_kill":
             threading.Event().wait()  # the agent takes the whole node down, this process with it
+
+
+def rot(path: Path, *, at: float = 0.5, n: int = 64) -> None:
+    """Bit rot: ``n`` bytes of a file inverted in place at fraction ``at`` of it, its size kept."""
+    with open(path, "r+b") as f:
+        f.seek(int(f.seek(0, os.SEEK_END) * at))
+        start = f.tell()
+        data = f.read(n)
+        f.seek(start)
+        f.write(bytes(b ^ 0xFF for b in data))
 
 
 def kill_node(agent_pid: int) -> None:

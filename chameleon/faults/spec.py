@@ -11,6 +11,8 @@ Kinds of fault, each on a device (``rank``) or a whole node (``node``):
 - ``corrupt``: silent data corruption, once: ``value`` (``nan``, ``inf``, or ``flip``: its lowest bit
   flipped) in one element of the worker's gradients (``target=grad``, in the ``backward`` of ``step``) or
   of its parameters (``target=param``, at the ``optimizer`` phase of ``step``, after its commit);
+  ``target=checkpoint`` (``value=flip``) rots every checkpoint shard file it writes from the checkpoint of
+  ``step`` committed steps on, once written (a failing disk);
 - ``stuck_abort``: from ``step`` on, the worker's next abort of a broken generation's
   communicators never returns (as ``ncclCommAbort`` can block when a peer cannot abort);
   it takes another fault to break a generation, so it comes in a ``schedule``;
@@ -77,10 +79,12 @@ class FaultPhase(StrEnum):
 
 
 class CorruptTarget(StrEnum):
-    """What a ``corrupt`` fault writes into: a gradient (in the backward) or a parameter (after the commit)."""
+    """What a ``corrupt`` fault writes into: a gradient (in the backward), a parameter (after the commit), or the
+    checkpoint shard files the worker writes (once written, from a step on: a failing disk)."""
 
     grad = "grad"
     param = "param"
+    checkpoint = "checkpoint"
 
 
 class CorruptValue(StrEnum):
@@ -231,10 +235,13 @@ def _check_fault(f: FaultSpec, *, key: str, world: int, nnodes: int) -> None:
 def _check_corrupt(f: FaultSpec, key: str) -> None:
     if f.target not in list(CorruptTarget) or f.value not in list(CorruptValue):
         raise ValueError(f"{key}: {K.corrupt} takes target={'|'.join(CorruptTarget)} and value={'|'.join(CorruptValue)}")
-    phase = {CorruptTarget.grad: P.backward, CorruptTarget.param: P.optimizer}[f.target]
+    phase = {CorruptTarget.grad: P.backward, CorruptTarget.param: P.optimizer, CorruptTarget.checkpoint: P.optimizer}[
+        f.target]
     if f.phase != phase:
         raise ValueError(f"{key}.phase={f.phase}: a {K.corrupt} of a {f.target} strikes in the {phase} phase: set "
                          f"{key}.phase={phase}")
+    if f.target == CorruptTarget.checkpoint and f.value != CorruptValue.flip:
+        raise ValueError(f"{key}.value={f.value}: a {K.corrupt} of a checkpoint flips bytes of its files: use value=flip")
     if f.target == CorruptTarget.grad and f.value == CorruptValue.flip:
         raise ValueError(f"{key}: a flipped bit of a gradient is finite and reaches every replica through the sync, "
                          "where nothing can tell it: use value=nan or inf, or target=param")

@@ -272,9 +272,10 @@ def latest_checkpoint(root: Path) -> CheckpointInfo | None:
     return _info(*complete[-1]) if complete else None
 
 
-def whole_checkpoint(root: Path, shapes: Mapping[str, tuple[int, ...]]) -> tuple[CheckpointInfo | None, list[str]]:
-    """The newest complete checkpoint of a model of ``shapes`` whose every file is whole, and why each newer one
-    is not (one line each, naming the damaged file), newest first.
+def whole_checkpoint(root: Path, shapes: Mapping[str, tuple[int, ...]]) -> tuple[CheckpointInfo | None,
+                                                                                  list[tuple[Path, str]]]:
+    """The newest complete checkpoint of a model of ``shapes`` whose every file is whole, and each newer one with
+    why it is not (naming the damaged file), newest first.
 
     Raises:
         CheckpointError: the newest readable checkpoint belongs to another model.
@@ -285,10 +286,20 @@ def whole_checkpoint(root: Path, shapes: Mapping[str, tuple[int, ...]]) -> tuple
             info = _info(step, directory)
             verify_checkpoint(info, shapes)
         except DamagedCheckpoint as err:
-            damaged.append(str(err))
+            damaged.append((directory, str(err)))
             continue
         return info, damaged
     return None, damaged
+
+
+def set_aside(directory: Path) -> Path:
+    """Rename a damaged checkpoint's directory out of the checkpoints' way (``…/step_N.damaged``), kept for a look:
+    no reader takes it, and the step can be saved again."""
+    target = directory.with_name(f"{directory.name}.damaged")
+    if target.exists():
+        shutil.rmtree(target)
+    directory.rename(target)
+    return target
 
 
 def checkpoint_at(root: Path, step: int) -> CheckpointInfo:

@@ -34,7 +34,14 @@ from chameleon.layout.memory import plan_memory
 from chameleon.layout.plan import Plan
 from chameleon.model.spec import spec_of
 from chameleon.report.outputs import write_json
-from chameleon.runtime.checkpoint import checkpoint_root, commit_checkpoint, latest_checkpoint, whole_checkpoint
+from chameleon.runtime.checkpoint import (
+    checkpoint_root,
+    commit_checkpoint,
+    latest_checkpoint,
+    set_aside,
+    step_dir,
+    whole_checkpoint,
+)
 from chameleon.runtime.control.core import (
     Admit,
     Broadcast,
@@ -51,6 +58,7 @@ from chameleon.runtime.control.core import (
     Refused,
     Registered,
     SaveCheckpoint,
+    SetAside,
     Say,
     Send,
     Tick,
@@ -92,10 +100,13 @@ class Controller:
                 f"{self.ckpt_root} already holds checkpoints of another run: pick a new hydra.run.dir or "
                 f"ckpt.dir, or continue that run with ckpt.resume={self.ckpt_root}"
             )
-        start, self.damaged = whole_checkpoint(Path(resume), spec_of(config.model).param_shapes(config.model)) \
+        start, damaged = whole_checkpoint(Path(resume), spec_of(config.model).param_shapes(config.model)) \
             if resume else (None, [])
+        self.damaged = [why for _, why in damaged]
         if resume and start is None:
             raise TrainingError(f"ckpt.resume={resume} holds no whole checkpoint: {'; '.join(self.damaged)}")
+        for directory, _ in damaged:  # never taken again, and its step may be saved anew
+            set_aside(directory)
         self.resumed_from = start
         fired = _fired(Path(resume)) if resume else []
         faults = [f for f in planned_faults(config.failure, world=world_size(launcher), nnodes=launcher.nnodes)
@@ -335,6 +346,8 @@ class Controller:
             case SaveCheckpoint(complete=c):
                 commit_checkpoint(self.ckpt_root, c.step, expected_devices=c.writers, shapes=self.core.coordinator.shapes,
                                   config=asdict(self.config), keep=self.config.ckpt.keep, generation=c.generation)
+            case SetAside(root=root, step=step):
+                set_aside(step_dir(root, step))
             case Fired(faults=faults):
                 self.ckpt_root.mkdir(parents=True, exist_ok=True)
                 write_json(self.ckpt_root / FIRED_FILE, {"fired": [asdict(f) for f in faults]})

@@ -50,6 +50,7 @@ from chameleon.runtime.protocol.messages import (
     Begin,
     Commit,
     CommitOrder,
+    Damaged,
     Done,
     Dying,
     Exited,
@@ -223,6 +224,14 @@ class SaveCheckpoint:
 
 
 @dataclass(frozen=True)
+class SetAside:
+    """A checkpoint found damaged: move it out of the way of readers and of its step's next save."""
+
+    root: Path
+    step: int
+
+
+@dataclass(frozen=True)
 class Fired:
     """Faults fired so far: remembered in the checkpoint root, so a relaunch never fires them again."""
 
@@ -370,6 +379,7 @@ class Core:
         self.faults = faults
         self.injector = Injector(controller_faults(self.faults))
         self.saved = saved
+        self.checkpoints = [saved] if saved else []  # those this run may restore from, oldest first
         self.first_step = saved.committed_steps if saved else 0
         self.ledger = Ledger(global_batch=self.train.global_batch, steps=self.train.steps, topology=self.topology,
                              first_step=self.first_step)
@@ -607,6 +617,8 @@ class Core:
                     self._emit(Send(node, Noted(self.generation, msg.device)))
             case Failed():
                 self._on_failed(msg)
+            case Damaged():
+                self._on_damaged(msg)
             case Exited():
                 cause = f"exit code {msg.exitcode}" + (" (SIGKILL)" if msg.exitcode == -signal.SIGKILL else "")
                 self._on_fault({msg.device}, cause, t_fault=msg.t_fault, where={msg.device: msg.where},
@@ -770,7 +782,30 @@ class Core:
     def _commit_checkpoint(self, complete: CheckpointComplete) -> None:
         self._emit(SaveCheckpoint(complete))
         self.saved = SavedState(complete.step, self.commit_times[complete.step - 1], self.ckpt_root)
+        self.checkpoints = [*self.checkpoints, self.saved][-self.config.ckpt.keep:]
         self._record(event="checkpoint", step=complete.step, path=str(self.ckpt_root), generation=complete.generation)
+
+    def _on_damaged(self, msg: Damaged) -> None:
+        """A worker found the checkpoint it restores from damaged: decide again, with the checkpoint before it."""
+        if msg.generation != self.generation or self.spec.checkpoint is None:
+            return  # another worker said so first: already decided again
+        if self.pending is None:  # the start of a resumed run: preflight found it whole, and then it changed
+            raise TrainingError(f"device {msg.device}: {msg.why}: relaunch with ckpt.resume={self.spec.checkpoint}, "
+                                "which passes over a damaged checkpoint to the newest whole one")
+        for damaged in [c for c in self.checkpoints if c.committed_steps >= msg.step]:
+            self._emit(SetAside(damaged.root, damaged.committed_steps))
+        self.checkpoints = [c for c in self.checkpoints if c.committed_steps < msg.step]
+        self.saved = self.checkpoints[-1] if self.checkpoints else None
+        older = (f"the checkpoint of step {self.saved.committed_steps} is the newest whole one" if self.saved
+                 else "no older checkpoint of this run is left")
+        self._say(f"chameleon: device {msg.device} found the checkpoint it restores damaged: {msg.why}; {older}")
+        self._record(event="damaged_checkpoint", device=msg.device, step=msg.step, why=msg.why,
+                     fallback=self.saved.committed_steps if self.saved else None, time=self.clock.wall())
+        self._emit(Broadcast(Flag(self.generation)))
+        self.ledger.break_generation()
+        now = self.clock.wall()
+        self._decide(set(), f"the checkpoint of step {msg.step} damaged", step=self.pending.step, t_fault=now,
+                     t_detect=now, source="reported", positions={})
 
     def _close_recovery(self, now: float, step_s: float | None) -> None:
         """The first commit after a fault (``step_s``: its compute), or the last validation redone (None)."""
@@ -809,6 +844,12 @@ class Core:
             raise JobRestart(f"devices {sorted(devices)} lost at step {step} ({cause}); ft.on_fault=exit: "
                              f"relaunch with ckpt.resume={self.ckpt_root}")
         self.fault_times.append(t_fault - self.t0)
+        self._decide(devices, cause, step=step, t_fault=t_fault, t_detect=t_detect, source=source, positions=positions)
+
+    def _decide(self, devices: set[int], cause: str, *, step: int, t_fault: float, t_detect: float, source: str,
+                positions: dict) -> None:
+        """Decide how to go on from the resident plan without ``devices`` (none: the same members, anew), resuming
+        at ``step``, and publish the next generation."""
         if self.pending is None:
             self.pending = Recovery(sorted(devices), cause, step, t_fault, t_detect, source, positions)
         else:
@@ -841,7 +882,8 @@ class Core:
         if transition.checkpoint:
             reload = (f"reloading the checkpoint of step {transition.resume_step} "
                       f"({t_detect - self.saved.committed_at:.1f} s of progress lost)\n")
-        self._say(f"\nchameleon: devices {sorted(devices)} lost at step {step} ({cause})"
+        what = f"devices {sorted(devices)} lost" if devices else "deciding again"
+        self._say(f"\nchameleon: {what} at step {step} ({cause})"
                   + (f"\n  where: {victims}" if victims else "")
                   + f"\n{transition.decision.table()}\n{reload}new plan:\n{transition.plan.summary(self.resident)}")
         self._publish(transition.plan, members=transition.members, resume_step=transition.resume_step,

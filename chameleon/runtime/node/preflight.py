@@ -115,7 +115,7 @@ def _check_resume(resume: str, cfg: DictConfig) -> None:
         raise ConfigError(f"ckpt.resume={resume}: {err}") from None
     check(info is not None or damaged,
           f"ckpt.resume={resume} holds no complete checkpoint: give a root with a COMPLETE one")
-    check(info is not None, f"ckpt.resume={resume} holds no whole checkpoint: {'; '.join(damaged)}")
+    check(info is not None, f"ckpt.resume={resume} holds no whole checkpoint: {'; '.join(why for _, why in damaged)}")
 
 
 def node_problem(launcher) -> str | None:

@@ -198,6 +198,17 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class Damaged:
+    """The checkpoint of ``step`` a worker restores from in ``generation`` is damaged (``why`` names the file):
+    the worker waits for the controller to decide again."""
+
+    device: int
+    generation: int
+    step: int
+    why: str
+
+
+@dataclass(frozen=True)
 class Dying:
     """A worker is about to fire an injected ``fault`` on itself (or, once :class:`Noted`, its agent on the node)."""
 
@@ -461,7 +472,7 @@ codec.register_packed(Plan, pack=_pack_plan, unpack=_unpack_plan)
 codec.register_packed(Manifest, pack=_pack_manifest, unpack=_unpack_manifest)
 codec.register(
     Pipeline, Stage, Reroute, Move, Position, FaultSpec, GenerationSpec, CommitOrder,
-    Moves, Publish, Begin, Commit, Flag, End, Standby, Ready, Synced, Evaluated, CheckpointSaved, Failed, Dying,
+    Moves, Publish, Begin, Commit, Flag, End, Standby, Ready, Synced, Evaluated, CheckpointSaved, Failed, Damaged, Dying,
     FinalShards, Done,    Hello, Lease, NodeReady, NodeSynced, NodeEvaluated, NodeSaved, Positions, Exited, Hung,
     Renew, Start, Inject, Noted, Probe, Welcome, Signal, Shutdown,
 )

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -45,7 +46,13 @@ from chameleon.layout.geometry import geometry_of, sync_rounds, writers
 from chameleon.layout.groups import plan_groups
 from chameleon.layout.schedule import step_actions
 from chameleon.model.spec import spec_of
-from chameleon.runtime.checkpoint import CheckpointWriter, checkpoint_at, checkpoint_root, load_regions
+from chameleon.runtime.checkpoint import (
+    CheckpointWriter,
+    DamagedCheckpoint,
+    checkpoint_at,
+    checkpoint_root,
+    load_regions,
+)
 from chameleon.runtime.node.beacon import Beacon
 from chameleon.runtime.node.downlink import Inbox
 from chameleon.runtime.protocol import codec
@@ -54,6 +61,7 @@ from chameleon.runtime.protocol.messages import (
     CheckpointSaved,
     Commit,
     CommitOrder,
+    Damaged,
     Done,
     Dying,
     Evaluated,
@@ -183,6 +191,12 @@ class _Pushed:
             gen.check()
             self.inbox.pump(WAIT_S)
 
+    def abandoned(self, gen: Generation) -> NoReturn:
+        """Until the controller flags the generation (raises :class:`PeerFailure`)."""
+        while True:
+            gen.check()
+            self.inbox.pump(WAIT_S)
+
     def commit(self, gen: Generation, step: int) -> Commit:
         """The commit of ``step``; a fault flagged first raises, unless the commit was pushed before the flag."""
         key = (gen.generation, step)
@@ -237,7 +251,11 @@ def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> Non
                 abort_s=cfg.ft.abort_timeout_s,
             )
             previous = None
-            established = _establish(gen_spec, state, gen=gen, model=model, cfg=cfg, device=device, faults=faults)
+            try:
+                established = _establish(gen_spec, state, gen=gen, model=model, cfg=cfg, device=device, faults=faults)
+            except DamagedCheckpoint as err:  # the controller decides again; this generation will never begin
+                uplink.send(Damaged(me, generation, resume, str(err)))
+                pushed.abandoned(gen)
             faults.phase("ready", step=resume)
             uplink.send(Ready(me, generation))
             pushed.begun(gen)
@@ -327,7 +345,7 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
     rounds = sync_rounds(geometry_of(plan), layout)
     tp = spec_of(model).tp_ops(partial(gen.all_reduce, members=role.spec.devices)) if role.spec.tp > 1 else None
     actions = step_actions(plan)[me]
-    saver = _Saver(cfg, layout, gen=gen, uplink=uplink, run_dir=run_dir)
+    saver = _Saver(cfg, layout, gen=gen, uplink=uplink, run_dir=run_dir, faults=faults)
     norm_regions = writers(layout).get(me, {})
 
     def validate(step: int) -> None:
@@ -388,13 +406,13 @@ def _idle(gen_spec: GenerationSpec, *, gen: Generation, pushed: _Pushed, steps: 
 class _Saver:
     """Asynchronous checkpoints of the regions this device writes: every ``ckpt.interval`` steps, or on order."""
 
-    def __init__(self, cfg: Config, layout, *, gen: Generation, uplink: _Uplink, run_dir: str):
+    def __init__(self, cfg: Config, layout, *, gen: Generation, uplink: _Uplink, run_dir: str, faults: WorkerFaults):
         self.interval, self.uplink, self.generation = cfg.ckpt.interval, uplink, gen.generation
-        self.device = gen.me
+        self.device, self.faults = gen.me, faults
         self.regions = writers(layout).get(gen.me, {})
         root = checkpoint_root(cfg.ckpt, run_dir)
         self.writer = CheckpointWriter(root, device=gen.me, generation=gen.generation) if self.regions else None
-        self.in_flight: int | None = None
+        self.in_flight: tuple[int, Path] | None = None  # the step and file being written
 
     def after_step(self, committed_steps: int, state: StageState, *, force: bool) -> None:
         self._report()
@@ -404,8 +422,8 @@ class _Saver:
             self._report()
             held = state.tensors()
             shards = {kind: {n: held[kind][n] for n in self.regions} for kind in held}
-            self.writer.save_async(committed_steps, shards, regions=self.regions, committed_steps=committed_steps)
-            self.in_flight = committed_steps
+            path = self.writer.save_async(committed_steps, shards, regions=self.regions, committed_steps=committed_steps)
+            self.in_flight = committed_steps, path
 
     def finish(self) -> None:
         if self.writer is not None:
@@ -415,5 +433,7 @@ class _Saver:
     def _report(self) -> None:
         if self.in_flight is not None and not self.writer.pending:
             self.writer.wait()
-            self.uplink.send(CheckpointSaved(self.device, self.generation, self.in_flight))
+            step, path = self.in_flight
+            self.faults.checkpoint_written(step, path)
+            self.uplink.send(CheckpointSaved(self.device, self.generation, step))
             self.in_flight = None
