@@ -178,3 +178,16 @@ def test_a_resumed_run_does_not_fire_the_faults_an_earlier_launch_fired(tmp_path
     assert second.returncode == 0, second.stderr
     assert f"resuming from {root}" in second.stderr and second.summary["recoveries"] == []
     assert torch.load(second.run_dir / "final_params.pt", weights_only=True)
+
+
+def test_a_corrupt_fault_is_typed_as_a_user_writes_it():
+    """Hydra reads nan and inf as floats: failure.value takes them as written; nonsense is refused in one line."""
+    corrupt = ("failure=corrupt", "failure.target=param", "failure.phase=optimizer")
+    for value in ("nan", "inf", "flip"):
+        CHECKS["train"](cli.compose_command_line([*corrupt, f"failure.value={value}"]))  # accepted
+    CHECKS["train"](cli.compose_command_line(["failure=schedule", "failure.faults=[{kind:corrupt,rank:1,step:2,"
+                                                                  "phase:backward,value:inf}]"]))
+    assert "failure.value=zero: use one of nan, inf, flip" in refusal("train", *corrupt, "failure.value=zero")
+    assert "set failure.phase=backward" in refusal("train", "failure=corrupt", "failure.phase=forward")
+    assert "use value=flip" in refusal("train", "failure=corrupt", "failure.target=checkpoint",
+                                       "failure.phase=optimizer")

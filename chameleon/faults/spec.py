@@ -118,7 +118,7 @@ class FaultSpec:
     round: int | None = None
     resume_after_s: float | None = None
     target: CorruptTarget = CorruptTarget.grad  # kind=corrupt: what is corrupted
-    value: CorruptValue = CorruptValue.nan  # kind=corrupt: what is written
+    value: str = CorruptValue.nan  # kind=corrupt: a CorruptValue (a str: Hydra reads nan and inf as floats)
 
     def describe(self) -> str:
         who = f"node {self.node}" if self.kind in NODE_KINDS else f"device {self.rank}"
@@ -138,7 +138,7 @@ class FailureConfig:
     round: int | None = None  # phase=transfer: the round (default: the victim's first)
     resume_after_s: float = 3.0  # node_hang: the agent is resumed (SIGCONT) this long after it stopped
     target: CorruptTarget = CorruptTarget.grad  # corrupt: grad | param
-    value: CorruptValue = CorruptValue.nan  # corrupt: nan | inf | flip
+    value: str = CorruptValue.nan  # corrupt: nan | inf | flip (str: Hydra reads nan and inf as floats)
     faults: list[FaultSpec] = field(default_factory=list)  # kind=schedule
     mtbf_s: float = 6.0  # kind=random: mean time between faults over the whole job
     max_faults: int = 2  # kind=random
@@ -233,8 +233,10 @@ def _check_fault(f: FaultSpec, *, key: str, world: int, nnodes: int) -> None:
 
 
 def _check_corrupt(f: FaultSpec, key: str) -> None:
-    if f.target not in list(CorruptTarget) or f.value not in list(CorruptValue):
-        raise ValueError(f"{key}: {K.corrupt} takes target={'|'.join(CorruptTarget)} and value={'|'.join(CorruptValue)}")
+    if f.target not in list(CorruptTarget):
+        raise ValueError(f"{key}.target={f.target}: use one of {', '.join(CorruptTarget)}")
+    if f.value not in list(CorruptValue):
+        raise ValueError(f"{key}.value={f.value}: use one of {', '.join(CorruptValue)}")
     phase = {CorruptTarget.grad: P.backward, CorruptTarget.param: P.optimizer, CorruptTarget.checkpoint: P.optimizer}[
         f.target]
     if f.phase != phase:
