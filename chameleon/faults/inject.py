@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -171,10 +172,8 @@ def kill_node(agent_pid: int) -> None:
         todo.extend(children.get(pid, []))
     me = os.getpid()
     for pid in [p for p in tree if p != me] + ([me] if me in tree else []):
-        try:
+        with contextlib.suppress(ProcessLookupError):  # already gone
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def stop_and_resume(pid: int, after_s: float) -> None:

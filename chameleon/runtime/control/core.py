@@ -594,14 +594,8 @@ class Core:
                     self._start_generation()
                 self.last_progress = self.clock.mono()
             case NodeSynced():
-                if (commit := self.ledger.on_synced(msg)) is None:
-                    pass
-                elif commit.outvoted:
-                    self._disagreed(commit)
-                elif commit.finite:
-                    self._commit(commit)
-                else:
-                    self._replay(commit)
+                if (commit := self.ledger.on_synced(msg)) is not None:
+                    self._on_step(commit)
             case NodeEvaluated():
                 if (evaluation := self.ledger.on_evaluated(msg)) is not None:
                     self._validated(evaluation)
@@ -688,6 +682,15 @@ class Core:
         for timeline in (self.pending, self.growing):
             if timeline is not None:
                 timeline.t_started = now
+
+    def _on_step(self, c: CommitStep) -> None:
+        """Every node reported step ``c``: commit it, or replay it (not finite), or lose its outvoted replicas."""
+        if c.outvoted:
+            self._disagreed(c)
+        elif c.finite:
+            self._commit(c)
+        else:
+            self._replay(c)
 
     def _disagreed(self, c: CommitStep) -> None:
         """Replicas of a region disagree: the step does not commit, and the outvoted holders are lost devices (all
