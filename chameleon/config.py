@@ -86,6 +86,13 @@ class OnCorrupt(StrEnum):
     evict = "evict"
 
 
+class SlowPolicy(StrEnum):
+    """``ft.slow``: find fail-slow devices and decide by Eq. 8 how to train around them, or not (tolerate them)."""
+
+    on = "on"
+    off = "off"
+
+
 @dataclass
 class TrainConfig:
     steps: int = 100
@@ -188,6 +195,14 @@ class FaultToleranceConfig:
     # region that disagree keep the step from committing, and the holders outvoted (all of them, with no majority:
     # the newest checkpoint arbitrates) are lost devices. 0: off.
     digest_interval: int = 10
+    # Fail-slow devices (ft.slow=on): a device whose own compute runs slow_ratio × its peers' pace (per unit of work,
+    # among those holding the same layers) for slow_window steps in a row is slow; the controller decides by Eq. 8,
+    # over the slowness's expected remaining slow_expected_s, whether to tolerate it, rebalance micro-batches,
+    # re-plan or evict it (idle); back to speed for slow_window steps, the job grows back onto it. off: tolerate.
+    slow: SlowPolicy = SlowPolicy.on
+    slow_ratio: float = 1.5
+    slow_window: int = 4
+    slow_expected_s: float = 600.0
 
 
 @dataclass
@@ -360,6 +375,9 @@ def validate(cfg: DictConfig) -> Plan:
     budget = cfg.policy.decide_budget_s
     check(budget is None or budget > 0, f"policy.decide_budget_s={budget}: null (unbounded) or > 0 seconds")
     check(ft.digest_interval >= 0, f"ft.digest_interval={ft.digest_interval}: use 0 (off) or a positive step count")
+    check(ft.slow_ratio > 1, f"ft.slow_ratio={ft.slow_ratio}: a device is slow at a pace above its peers': use > 1")
+    check(ft.slow_window >= 1, f"ft.slow_window={ft.slow_window}: judge over at least 1 step")
+    check(ft.slow_expected_s > 0, f"ft.slow_expected_s={ft.slow_expected_s}: use > 0 seconds")
     check(ft.fault_domain_nodes >= 1, f"ft.fault_domain_nodes={ft.fault_domain_nodes}: plan ahead for at least one node")
     check(ft.stall_timeout_s is None or ft.stall_timeout_s > 0, f"ft.stall_timeout_s={ft.stall_timeout_s}: null or > 0")
     check(cfg.ckpt.interval >= 0, f"ckpt.interval={cfg.ckpt.interval}: use 0 (off) or a positive step count")

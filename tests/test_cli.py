@@ -84,7 +84,7 @@ def test_simulate_refuses(tmp_path):
     assert "trace.interval_s=-5.0" in refusal("simulate", "trace=oobleck", "trace.interval_s=-5")
     assert "sim.horizon_h" in refusal("simulate", "sim.horizon_h=0")
     assert "sim.policies[0]='magic': use chameleon, oracle," in refusal("simulate", "sim.policies=[magic]")
-    assert "cluster.n_devices=8" in refusal("simulate", "cluster.n_devices=8")  # the 4-device recipe on 8
+    assert "cluster.n_devices=8" in refusal("simulate", "sim.initial=recipe", "cluster.n_devices=8")  # 4 devices on 8
 
 
 @pytest.mark.parametrize("content", [b"\x00\x01\x02binary" * 100, "caf\u00e9".encode("latin-1") * 100, b"tiny"],
@@ -191,3 +191,12 @@ def test_a_corrupt_fault_is_typed_as_a_user_writes_it():
     assert "set failure.phase=backward" in refusal("train", "failure=corrupt", "failure.phase=forward")
     assert "use value=flip" in refusal("train", "failure=corrupt", "failure.target=checkpoint",
                                        "failure.phase=optimizer")
+
+
+def test_a_slow_fault_with_nonsense_values_is_refused_in_one_line():
+    CHECKS["train"](cli.compose_command_line(["failure=slow", "failure.factor=2.5", "failure.duration_s=30"]))  # accepted
+    assert "failure.factor=0.5: a slow device computes factor times slower: use a factor > 1" in refusal(
+        "train", "failure=slow", "failure.factor=0.5")
+    assert "failure.rank=7 is not a worker (0..3)" in refusal("train", "failure=slow", "failure.rank=7")
+    assert "ft.slow='sometimes': use on, off" in refusal("train", "ft.slow=sometimes")
+    assert "ft.slow_ratio=0.9" in refusal("train", "ft.slow_ratio=0.9")

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chameleon.decision.config import PolicyConfig
-from chameleon.decision.estimator import estimate_step
+from chameleon.decision.estimator import Speeds, estimate_step
 from chameleon.decision.measured import Measured
 from chameleon.decision.planner import Planner
 from chameleon.decision.profiler import Profile
-from chameleon.decision.selector import Decision, decide, decide_growth
+from chameleon.decision.selector import Decision, decide, decide_growth, decide_slow
 from chameleon.layout.geometry import replica_groups, writers
 from chameleon.layout.plan import Plan
 from chameleon.layout.relayout import Manifest, relayout
@@ -153,6 +153,23 @@ class Coordinator:
         plan, members = decision.chosen.plan, alive | joining
         manifest = relayout(self.layout(resident), self.layout(plan), survivors=sorted(members))
         return self._transition(decision, plan, members, None, manifest, None)
+
+    def reshape(self, resident: Plan, *, alive: set[int], speeds: Speeds, step_s: float, horizon_s: float,
+                fault_times: list[float], elapsed_s: float, saved: SavedState | None = None,
+                now: float = 0.0) -> Transition | Decision:
+        """The generation that trains best with slow devices (``speeds``; empty: all back to speed), or the decision
+        to tolerate them on ``resident`` (:func:`~chameleon.decision.selector.decide_slow`). ``step_s``: the step
+        time measured on ``resident`` lately, at these speeds. Its ``resume_step`` is left to the caller."""
+        estimate = estimate_step(self.profile, resident, reroute_slots=self.policy.reroute_slots, speeds=speeds).t_step
+        decision = decide_slow(self.profile, resident, speeds, policy=self.policy, planner=self._bounded(),
+                               horizon_s=horizon_s, scale=step_s / estimate if estimate > 0 else 1.0,
+                               idle=alive - set(resident.devices), fault_times=fault_times, elapsed_s=elapsed_s,
+                               **self._fallback(resident, saved, now))
+        if decision.choice == "tolerate":
+            return decision
+        plan = decision.chosen.plan
+        manifest = relayout(self.layout(resident), self.layout(plan), survivors=sorted(alive))
+        return self._transition(decision, plan, alive, None, manifest, None)
 
     def _transition(self, decision, plan, members, resume_step, manifest, checkpoint) -> Transition:
         return Transition(decision, plan, tuple(sorted(members)), resume_step, manifest, checkpoint)

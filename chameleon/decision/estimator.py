@@ -8,7 +8,9 @@ round trip. On CPU profiles, whose devices are processes sharing their node's
 cores, the 1F1B phase is a processor-sharing simulation of every op and the rest
 is stretched by the share of a core each process gets. Stage costs fold the point-to-point activation transfer into
 the sending stage (blocking send), so the closed form ``fill + (m−1)·bottleneck``
-is exact for uniform stages (Eq. 9) and an upper bound otherwise. Memory is
+is exact for uniform stages (Eq. 9) and an upper bound otherwise. Slow devices (``speeds``:
+device → how many times slower it computes) stretch every op of their stage and the
+optimizer step. Memory is
 :mod:`chameleon.layout.memory` (Eq. 14), the model config validation uses too. Who
 holds what — sync buckets and rounds, each device's share, what a device lacks after
 a re-plan — is the plan's :mod:`~chameleon.layout.geometry`, bytes per element its
@@ -19,9 +21,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import lru_cache
+from types import MappingProxyType
 
 from chameleon.decision.profiler import Profile
 from chameleon.layout import memory
@@ -123,10 +126,21 @@ def _longest_path(fwd: tuple[float, ...], bwd: tuple[float, ...], n_micro: int) 
     return max(clock)
 
 
-def _pipeline_costs(profile: Profile, stages: tuple[Stage, ...]) -> tuple[list[float], list[float]]:
+Speeds = Mapping[int, float]
+"""Slow devices: device → how many times slower it computes than the profile says (absent: 1)."""
+EVEN: Speeds = MappingProxyType({})  # every device at the profile's speed
+
+
+def slowdown(speeds: Speeds, devices: Sequence[int]) -> float:
+    """How many times slower a stage on ``devices`` computes: its slowest device's factor (a TP mesh waits for it)."""
+    return max((speeds.get(d, 1.0) for d in devices), default=1.0)
+
+
+def _pipeline_costs(profile: Profile, stages: tuple[Stage, ...], speeds: Speeds = EVEN) -> tuple[list[float], list[float]]:
     last = len(stages) - 1
     costs = [stage_cost(profile, st.n_layers, first=s == 0, last=s == last) for s, st in enumerate(stages)]
-    return [c[0] for c in costs], [c[1] for c in costs]
+    factors = [slowdown(speeds, st.devices) for st in stages]
+    return [c[0] * f for c, f in zip(costs, factors)], [c[1] * f for c, f in zip(costs, factors)]
 
 
 def allreduce_time(profile: Profile, group_size: int, params: float) -> float:
@@ -147,10 +161,10 @@ def sync_time(profile: Profile, plan: Plan) -> tuple[float, int]:
     return seconds, len(g.rounds)
 
 
-def optimizer_time(profile: Profile, plan: Plan) -> float:
-    """The optimizer step of the device holding the most parameters."""
+def optimizer_time(profile: Profile, plan: Plan, speeds: Speeds = EVEN) -> float:
+    """The slowest device's optimizer step (the most parameters, times its slowdown)."""
     most = max(
-        device_params(profile, st.n_layers, first=s == 0, last=s == p.n_stages - 1)
+        device_params(profile, st.n_layers, first=s == 0, last=s == p.n_stages - 1) * slowdown(speeds, st.devices)
         for p in plan.pipelines for s, st in enumerate(p.stages) if st.devices
     )
     return most * profile.optimizer_s_per_param
@@ -192,11 +206,11 @@ def cpu_share(profile: Profile, plan: Plan) -> float:
     return max(1.0, (max(per_node.values()) + profile.background_procs) / profile.host_cores)
 
 
-def _op_costs(profile: Profile, plan: Plan) -> dict[tuple[str, int, int], float]:
+def _op_costs(profile: Profile, plan: Plan, speeds: Speeds = EVEN) -> dict[tuple[str, int, int], float]:
     """Seconds of a forward (``"F"``) or backward (``"B"``) micro-batch of stage ``s`` of pipeline ``j``."""
     out = {}
     for j, p in enumerate(plan.pipelines):
-        fwd, bwd = _pipeline_costs(profile, p.stages)
+        fwd, bwd = _pipeline_costs(profile, p.stages, speeds)
         for s in range(p.n_stages):
             out["F", j, s], out["B", j, s] = fwd[s], bwd[s]
     return out
@@ -224,14 +238,21 @@ def _executors(profile: Profile, plan: Plan, *, merged: bool) -> list[tuple[int,
     ]
 
 
-def schedule_time(profile: Profile, plan: Plan) -> float:
+def device_work(profile: Profile, plan: Plan) -> dict[int, float]:
+    """Seconds each device of ``plan`` computes in a step at the profile's speed: its forwards and backwards
+    (:func:`~chameleon.layout.schedule.step_actions`), waits left out — what its measured compute is judged by."""
+    cost = _op_costs(profile, plan)
+    return {d: sum(cost[a.kind, a.pipeline, a.stage] for a in actions) for d, actions in step_actions(plan).items()}
+
+
+def schedule_time(profile: Profile, plan: Plan, speeds: Speeds = EVEN) -> float:
     """The longest path through the runtime's step schedule, every device on a core of its own.
 
     Each device runs its :func:`~chameleon.layout.schedule.step_actions` list in
     order, an op starting once its input is done; equals the slowest
     :func:`pipeline_time` when nothing is rerouted.
     """
-    cost, units = _op_costs(profile, plan), _executors(profile, plan, merged=True)
+    cost, units = _op_costs(profile, plan, speeds), _executors(profile, plan, merged=True)
     end: dict[Action, float] = {}
     clock, pos = [0.0] * len(units), [0] * len(units)
     remaining = sum(len(actions) for _, _, actions in units)
@@ -248,7 +269,7 @@ def schedule_time(profile: Profile, plan: Plan) -> float:
     return max(clock, default=0.0)
 
 
-def shared_compute(profile: Profile, plan: Plan, *, merged: bool = True) -> float:
+def shared_compute(profile: Profile, plan: Plan, *, merged: bool = True, speeds: Speeds = EVEN) -> float:
     """The 1F1B phase of every device at once when processes share their node's cores.
 
     A processor-sharing simulation: each TP mesh runs its ops in order (see
@@ -258,7 +279,7 @@ def shared_compute(profile: Profile, plan: Plan, *, merged: bool = True) -> floa
     waiting process uses no core. Equals :func:`schedule_time` when no node has
     more busy processes than cores.
     """
-    cost, units = _op_costs(profile, plan), _executors(profile, plan, merged=merged)
+    cost, units = _op_costs(profile, plan, speeds), _executors(profile, plan, merged=merged)
     done: set[Action] = set()
     pos = [0] * len(units)
     left: dict[int, float] = {}  # unit -> work left of its running op
@@ -287,37 +308,53 @@ def shared_compute(profile: Profile, plan: Plan, *, merged: bool = True) -> floa
                 del left[u]
 
 
-def estimate_step(profile: Profile, plan: Plan, *, reroute_slots: str = "schedule") -> StepEstimate:
+def estimate_step(profile: Profile, plan: Plan, *, reroute_slots: str = "schedule", speeds: Speeds = EVEN) -> StepEstimate:
     """Estimated step time of ``plan`` (Eqs. 10–13 plus p2p, DP sync, optimizer, the commit and CPU sharing).
 
     ``reroute_slots=schedule`` times rerouted plans by the runtime's own schedule
     (:func:`schedule_time`); ``max`` and ``sum`` add Eq. 12/13's extra slots instead.
+    ``speeds``: slow devices (:data:`Speeds`).
     """
     if reroute_slots not in REROUTE_SLOTS:
         raise ValueError(f"policy.reroute_slots={reroute_slots!r}: use schedule, max or sum")
-    by_shape: dict[tuple[tuple[int, ...], int], float] = {}  # pipelines of one shape take the same time
+    by_shape: dict[tuple, float] = {}  # pipelines of one shape (and speed) take the same time
     times = []
     for p in plan.pipelines:
-        shape = (tuple(st.n_layers for st in p.stages), p.micro_batches)
+        shape = (tuple((st.n_layers, slowdown(speeds, st.devices)) for st in p.stages), p.micro_batches)
         if shape not in by_shape:
-            by_shape[shape] = pipeline_time(*_pipeline_costs(profile, p.stages), p.micro_batches)
+            by_shape[shape] = pipeline_time(*_pipeline_costs(profile, p.stages, speeds), p.micro_batches)
         times.append(by_shape[shape])
     merged = reroute_slots == "schedule"
     if not plan.reroutes:
         compute, extra = max(times), 0.0
     elif merged:
-        compute, extra = schedule_time(profile, plan), 0.0
+        compute, extra = schedule_time(profile, plan, speeds), 0.0
     else:
         compute, extra = max(times), reroute_extra(profile, plan, slots=reroute_slots)
     sync, rounds = sync_time(profile, plan)
-    opt = optimizer_time(profile, plan)
+    opt = optimizer_time(profile, plan, speeds)
     fixed = profile.commit_s
     if not profile.host_cores:
         return StepEstimate(compute + extra + sync + opt + fixed, compute, extra, sync, opt, rounds, tuple(times))
-    share, shared = cpu_share(profile, plan), shared_compute(profile, plan, merged=merged)
+    share, shared = cpu_share(profile, plan), shared_compute(profile, plan, merged=merged, speeds=speeds)
     return StepEstimate(
         shared + share * (extra + sync + opt) + fixed, compute, extra, sync, opt, rounds, tuple(times), share, shared
     )
+
+
+def rebalanced(profile: Profile, plan: Plan, speeds: Speeds) -> Plan:
+    """``plan`` with its micro-batches split over its pipelines by their speed: each pipeline keeps at least one,
+    and each of the rest goes where it lengthens the slowest pipeline least (no state moves: the same stages on
+    the same devices). A rerouted plan keeps its split (its hosts' schedules interleave)."""
+    if plan.reroutes or len(plan.pipelines) < 2:
+        return plan
+    costs = [_pipeline_costs(profile, p.stages, speeds) for p in plan.pipelines]
+    counts = [1] * len(plan.pipelines)
+    for _ in range(plan.n_micro_batches - len(counts)):
+        j = min(range(len(counts)), key=lambda j: (pipeline_time(*costs[j], counts[j] + 1), j))
+        counts[j] += 1
+    pipelines = tuple(replace(p, micro_batches=m) for p, m in zip(plan.pipelines, counts))
+    return replace(plan, pipelines=pipelines)
 
 
 def symmetric_step(n_stages: int, n_micro: int, fwd: float, bwd: float) -> float:

@@ -250,8 +250,8 @@ IDLE_UNITS = 256  # ... on clusters of at most this many: beyond, a unit is unde
 
 
 def _finish(name: str, profile: Profile, plan: Plan, parts: dict[str, float], *, global_batch: int, d_s: float, slots: str,
-            fallback: Fallback, measured: Measured) -> Candidate:
-    t_step = measured.step_s(plan, est.estimate_step(profile, plan, reroute_slots=slots).t_step)
+            fallback: Fallback, measured: Measured, speeds: est.Speeds = est.EVEN) -> Candidate:
+    t_step = measured.step_s(plan, est.estimate_step(profile, plan, reroute_slots=slots, speeds=speeds).t_step)
     peak = max(est.memory_per_device(profile, plan).values())
     transition = sum(parts.values())
     p = geometry_of(plan).exposure(fallback.domains)
@@ -471,6 +471,68 @@ def _alive(domains, dead) -> tuple[tuple[int, ...], ...] | None:
     if domains is None:
         return None
     return tuple(g for g in (tuple(d for d in group if d not in dead) for group in domains) if g)
+
+
+def decide_slow(
+    profile: Profile,
+    plan: Plan,
+    speeds: est.Speeds,
+    *,
+    policy: PolicyConfig,
+    planner: Planner,
+    horizon_s: float,
+    scale: float = 1.0,
+    idle: Collection[int] = (),
+    fault_times: list[float] = (),
+    elapsed_s: float = 0.0,
+    checkpoint_age_s: float | None = None,
+    checkpoint_interval_s: float | None = None,
+    domains: tuple[tuple[int, ...], ...] | None = None,
+    in_process: bool = False,
+) -> Decision:
+    """How to train on with slow devices (``speeds``; empty: every device is back to speed), by Eq. 8.
+
+    ``tolerate`` keeps the running plan; ``rebalance`` splits its micro-batches over its pipelines by speed (no
+    state moves); ``replan`` takes the planner's best over every stage unit (``idle`` devices included),
+    rebalanced; ``evict`` its best without the slow devices' units (they stay members, idle). Each is scored over
+    the window the slowness is expected to last (``horizon_s``, at most the time to the next fault); step times
+    are estimated at these speeds on the measured ``scale`` (measured ÷ estimated on the running plan, at these
+    speeds: a plan's earlier measurements were taken at others). Ties go to the smaller transition.
+    """
+    d_s, source = estimate_d(policy, fault_times=list(fault_times), elapsed_s=elapsed_s)
+    horizon = min(d_s, horizon_s) if speeds else d_s
+    fallback = Fallback(checkpoint_age_s, checkpoint_interval_s, elapsed_s, domains, in_process)
+    common = dict(global_batch=plan.global_batch, d_s=horizon, slots=policy.reroute_slots, fallback=fallback,
+                  measured=Measured(scale=scale), speeds=speeds)
+    units = geometry_of(plan).units(set(plan.devices) | set(idle))
+
+    def rebalance() -> Candidate:
+        new = est.rebalanced(profile, plan, speeds)
+        if new == plan:
+            raise PlanError("its micro-batches are already split by speed" if len(plan.pipelines) > 1
+                            else "one pipeline: nothing to move micro-batches to")
+        return _finish("rebalance", profile, new, {"rebuild": est.rebuild_time(profile, new)}, **common)
+
+    def replan(name: str, onto: list[tuple[int, ...]]) -> Candidate:
+        options = replans(planner, onto, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size,
+                          previous=plan, domains=domains) if onto else []
+        if not options:
+            raise PlanError("no plan on the devices left")
+        return _best([_moved(name, profile, plan, est.rebalanced(profile, new, speeds), {"search": search_s}, **common)
+                      for new, search_s in options])
+
+    def evict() -> Candidate:
+        if not speeds:
+            raise PlanError("no device is slow")
+        return replan("evict", [u for u in units if not set(u) & set(speeds)])
+
+    cands = (_finish("tolerate", profile, plan, {}, **common), _built("rebalance", rebalance),
+             _built("replan", lambda: replan("replan", units)), _built("evict", evict))
+    best = min((c for c in cands if c.feasible), key=lambda c: (-c.score, c.transition, c.name), default=cands[0])
+    slow = ", ".join(f"{d} ×{f:.2f}" for d, f in sorted(speeds.items())) or "none any more"
+    return Decision(policy.name, tuple(sorted(speeds)), horizon,
+                    f"the slowness's expected remaining {horizon_s:.0f} s, at most D ({source})" if speeds else source,
+                    best.name, cands, f"slow devices: {slow}")
 
 
 def decide_growth(

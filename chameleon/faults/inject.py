@@ -8,10 +8,13 @@ import random
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from chameleon.faults.spec import DEVICE_KINDS, NODE_KINDS, STEP_PHASES, STUCK_ABORT, CorruptTarget, FaultSpec
+from chameleon.faults.spec import (
+    DEVICE_KINDS, NODE_KINDS, PACED_KINDS, STEP_PHASES, STUCK_ABORT, CorruptTarget, FaultSpec,
+)
 from chameleon.runtime.node.beacon import Beacon
 from chameleon.runtime.protocol.errors import DeviceFault
 from chameleon.runtime.protocol.position import Position
@@ -43,6 +46,7 @@ class WorkerFaults:
         self._fired: set[FaultSpec] = set()
         self._rng = random.Random(device)
         self.stage = None  # where a corrupt fault writes: the worker's StageState while it trains, else None
+        self._slow: tuple[float, float] | None = None  # a slow fault's factor and when it ends (monotonic)
 
     def enter(self, generation: int, *, resume_step: int, firer: bool) -> None:
         """Start on a generation; ``firer``: this device fires its node's faults in it."""
@@ -74,7 +78,9 @@ class WorkerFaults:
                     self._fire(f)
 
     def step_started(self, step: int, typical_s: float) -> None:
-        """Arm ``phase=any`` faults of ``step``: a timer over the step's typical compute time."""
+        """Arm ``phase=any`` faults of ``step``: a timer over the step's typical compute time; a ``slow`` fault
+        of ``step`` (or before) starts pacing."""
+        self._start_slow(step)
         due = [f for f in self._armed() if f.step == step and f.phase == "any"]
         if due:
             delay = self._rng.uniform(0.0, typical_s)
@@ -87,9 +93,26 @@ class WorkerFaults:
         redo, when a recovery resumes at it) fire as it starts."""
         redo = self._generation > 0 and step == self._resume
         self.beacon.at("idle", step=step, generation=self._generation)
+        self._start_slow(step)
         for f in self._armed():
             if f.step == step and (f.phase in STEP_PHASES or redo and f.phase == "redo"):
                 self._fire(f)
+
+    def pace(self, seconds: float) -> None:
+        """A forward, backward or probe took ``seconds``: while a ``slow`` fault lasts, it takes ``factor`` times
+        as long (the device sleeps the difference, leaving the host's cores to the others, as a throttled GPU would)."""
+        if self._slow is not None:
+            factor, until = self._slow
+            if time.monotonic() < until:
+                time.sleep((factor - 1.0) * seconds)
+
+    def _start_slow(self, step: int) -> None:
+        for f in self._mine:
+            if f.kind in PACED_KINDS and f not in self._fired and f.step <= step:
+                self._fired.add(f)
+                self._announce(f, self.beacon.position())
+                lasts = f.duration_s if f.duration_s is not None else float("inf")
+                self._slow = f.factor, time.monotonic() + lasts
 
     def step_synced(self) -> None:
         """The step's compute is over: a pending ``any`` fault fires now, before the commit."""
@@ -121,7 +144,8 @@ class WorkerFaults:
     def _armed(self) -> list[FaultSpec]:
         node = self._node if self._firer else []
         return [f for f in self._mine + node
-                if f not in self._fired and f.kind != STUCK_ABORT and f.target != CorruptTarget.checkpoint]
+                if f not in self._fired and f.kind not in (STUCK_ABORT, *PACED_KINDS)
+                and f.target != CorruptTarget.checkpoint]
 
     def _fire(self, f: FaultSpec) -> None:
         self._fired.add(f)

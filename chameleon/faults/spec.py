@@ -13,6 +13,9 @@ Kinds of fault, each on a device (``rank``) or a whole node (``node``):
   of its parameters (``target=param``, at the ``optimizer`` phase of ``step``, after its commit);
   ``target=checkpoint`` (``value=flip``) rots every checkpoint shard file it writes from the checkpoint of
   ``step`` committed steps on, once written (a failing disk);
+- ``slow``: from the start of ``step`` on, the device computes ``factor`` times slower (every forward and
+  backward it runs, or the probe it runs while idle, is stretched), for ``duration_s`` seconds (null: for good) —
+  a fail-slow device (thermal throttling, a degraded link, a noisy neighbour);
 - ``stuck_abort``: from ``step`` on, the worker's next abort of a broken generation's
   communicators never returns (as ``ncclCommAbort`` can block when a peer cannot abort);
   it takes another fault to break a generation, so it comes in a ``schedule``;
@@ -52,6 +55,7 @@ class FaultKind(StrEnum):
     error = "error"
     device_error = "device_error"
     corrupt = "corrupt"
+    slow = "slow"
     stuck_abort = "stuck_abort"
     node_kill = "node_kill"
     node_hang = "node_hang"
@@ -103,6 +107,7 @@ NODE_KINDS = (K.node_kill, K.node_hang)
 DEVICE_KINDS = tuple(k for k in K if k not in NODE_KINDS)
 MAIN_THREAD_KINDS = (K.stall, K.error, K.device_error, K.corrupt)  # fired where the worker is, never from outside
 STUCK_ABORT = K.stuck_abort  # not fired at a phase: it blocks the victim's next abort (WorkerFaults.abort_started)
+PACED_KINDS = (K.slow,)  # not fired at a phase: they pace the victim's compute from a step on (WorkerFaults.pace)
 
 
 @dataclass(frozen=True)
@@ -119,17 +124,21 @@ class FaultSpec:
     resume_after_s: float | None = None
     target: CorruptTarget = CorruptTarget.grad  # kind=corrupt: what is corrupted
     value: str = CorruptValue.nan  # kind=corrupt: a CorruptValue (a str: Hydra reads nan and inf as floats)
+    factor: float = 3.0  # kind=slow: how many times slower the device computes
+    duration_s: float | None = None  # kind=slow: for how long (None: for good)
 
     def describe(self) -> str:
         who = f"node {self.node}" if self.kind in NODE_KINDS else f"device {self.rank}"
         when = f"at {self.at_s:g} s" if self.at_s is not None else f"in step {self.step}, phase {self.phase}"
         what = f" ({self.target} {self.value})" if self.kind == FaultKind.corrupt else ""
+        if self.kind == FaultKind.slow:
+            what = f" (×{self.factor:g}" + (f" for {self.duration_s:g} s)" if self.duration_s is not None else ")")
         return f"{self.kind}{what} of {who} {when}"
 
 
 @dataclass
 class FailureConfig:
-    kind: FailureKind = FailureKind.none  # none | kill | hang | stall | error | device_error | corrupt
+    kind: FailureKind = FailureKind.none  # none | kill | hang | stall | error | device_error | corrupt | slow
     #                                        | stuck_abort | node_kill | node_hang | schedule | random
     rank: int = 1
     node: int = 1
@@ -139,6 +148,8 @@ class FailureConfig:
     resume_after_s: float = 3.0  # node_hang: the agent is resumed (SIGCONT) this long after it stopped
     target: CorruptTarget = CorruptTarget.grad  # corrupt: grad | param
     value: str = CorruptValue.nan  # corrupt: nan | inf | flip (str: Hydra reads nan and inf as floats)
+    factor: float = 3.0  # slow: how many times slower the device computes (> 1)
+    duration_s: float | None = None  # slow: for how long, in seconds (null: for good)
     faults: list[FaultSpec] = field(default_factory=list)  # kind=schedule
     mtbf_s: float = 6.0  # kind=random: mean time between faults over the whole job
     max_faults: int = 2  # kind=random
@@ -160,7 +171,8 @@ def planned_faults(cfg: FailureConfig, *, world: int, nnodes: int = 1) -> list[F
         faults = []
     elif kind in list(FaultKind):
         faults = [FaultSpec(kind=kind, rank=cfg.rank, node=cfg.node, step=cfg.step, phase=cfg.phase, round=cfg.round,
-                            resume_after_s=cfg.resume_after_s, target=cfg.target, value=cfg.value)]
+                            resume_after_s=cfg.resume_after_s, target=cfg.target, value=cfg.value, factor=cfg.factor,
+                            duration_s=cfg.duration_s)]
     elif kind == "schedule":
         if not cfg.faults:
             raise ValueError("failure=schedule with an empty failure.faults: list faults, or use failure=none")
@@ -182,7 +194,7 @@ def _random_faults(cfg: FailureConfig, *, world: int, nnodes: int) -> list[Fault
     if cfg.mtbf_s <= 0 or cfg.max_faults < 0:
         raise ValueError(f"failure.mtbf_s={cfg.mtbf_s} / failure.max_faults={cfg.max_faults}: must be > 0 and ≥ 0")
     kinds = list(cfg.kinds)
-    timed = [k for k in list(FaultKind) if k not in (*MAIN_THREAD_KINDS, STUCK_ABORT)]
+    timed = [k for k in list(FaultKind) if k not in (*MAIN_THREAD_KINDS, *PACED_KINDS, STUCK_ABORT)]
     if not kinds or any(k not in timed for k in kinds):
         raise ValueError(f"failure.kinds={kinds}: random faults are fired from outside; pick from {', '.join(timed)}")
     rng = random.Random(cfg.seed)
@@ -227,6 +239,8 @@ def _check_fault(f: FaultSpec, *, key: str, world: int, nnodes: int) -> None:
         raise ValueError(f"{key}: phase=decision fires from the controller and only kills: use kind=kill")
     if f.kind == K.corrupt:
         _check_corrupt(f, key)
+    if f.kind in PACED_KINDS:
+        _check_slow(f, key)
     if f.kind in MAIN_THREAD_KINDS and (f.phase == "any" or f.at_s is not None):
         raise ValueError(f"{key}.kind={f.kind} acts on the worker's own thread: pin it to a phase "
                          "(forward, backward, sync, optimizer or a recovery phase), not phase=any or at_s")
@@ -247,6 +261,16 @@ def _check_corrupt(f: FaultSpec, key: str) -> None:
     if f.target == CorruptTarget.grad and f.value == CorruptValue.flip:
         raise ValueError(f"{key}: a flipped bit of a gradient is finite and reaches every replica through the sync, "
                          "where nothing can tell it: use value=nan or inf, or target=param")
+
+
+def _check_slow(f: FaultSpec, key: str) -> None:
+    if not f.factor > 1:
+        raise ValueError(f"{key}.factor={f.factor}: a slow device computes factor times slower: use a factor > 1")
+    if f.duration_s is not None and not f.duration_s > 0:
+        raise ValueError(f"{key}.duration_s={f.duration_s}: use null (for good) or a duration > 0 seconds")
+    if f.phase != "any" or f.at_s is not None:
+        raise ValueError(f"{key}: a {K.slow} device is slow from the start of its step on: set its rank and step "
+                         "only (phase=any, no at_s)")
 
 
 def worker_faults(faults: list[FaultSpec]) -> list[FaultSpec]:

@@ -162,6 +162,7 @@ class Controller:
         core = self.core
         return self.recorder.summary(
             recoveries=[r.record() for r in core.recoveries], growths=[g.record() for g in core.growths],
+            reshapes=[r.record() for r in core.reshapes],
             plan=core.resident.describe(), generations=core.generation + 1, world_size=core.world,
             nnodes=self.config.launcher.nnodes, wall_s=time.time() - core.t0,
             startup_s=(core.t_train - core.t0) if core.t_train else None, store_ops=core.store_ops,

@@ -24,15 +24,17 @@ executor, so the whole protocol runs in tests without a process
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from concurrent.futures import Executor, Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from chameleon.config import Config, OnCorrupt, pipelines_allowed
+from chameleon.config import Config, OnCorrupt, SlowPolicy, pipelines_allowed
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.coordinator import Coordinator, NoRecovery, SavedState, Transition
+from chameleon.decision.estimator import device_work
 from chameleon.decision.measured import Measured, plan_shape
 from chameleon.decision.planner import Planner
 from chameleon.decision.profiler import Profile
@@ -45,6 +47,7 @@ from chameleon.optim import learning_rate, schedule_of
 from chameleon.runtime.control.detector import Detector, stall
 from chameleon.runtime.control.ledger import CheckpointComplete, CommitStep, Evaluation, Ledger
 from chameleon.runtime.control.membership import Lifecycle, Membership
+from chameleon.runtime.control.stragglers import Stragglers
 from chameleon.runtime.protocol.errors import JobRestart, LaunchError, TrainingError
 from chameleon.runtime.protocol.messages import (
     Begin,
@@ -72,6 +75,7 @@ from chameleon.runtime.protocol.messages import (
     Probe,
     Publish,
     Renew,
+    SelfTimed,
     Signal,
     Standby,
     Start,
@@ -307,6 +311,33 @@ class Growth:
         }
 
 
+@dataclass
+class Reshape:
+    """Timeline of a decision on slow devices (``speeds``; empty: all back to speed), from the verdict to the first
+    step committed on the plan it chose (none, when it tolerates)."""
+
+    speeds: dict[int, float]
+    step: int
+    t_judged: float
+    t_decided: float = 0.0
+    t_switch: float = 0.0
+    t_started: float = 0.0
+    t_first_commit: float = 0.0
+    decision: Decision | None = None
+    plan: str = ""
+    estimated_step_s: float = 0.0
+    first_step_s: float = 0.0
+
+    def record(self) -> dict:
+        return {
+            "slow": {str(d): f for d, f in sorted(self.speeds.items())}, "step": self.step,
+            "chosen": self.decision.choice, "plan": self.plan, "decide_s": self.t_decided - self.t_judged,
+            "switch_wait_s": self.t_switch - self.t_decided if self.t_switch else None,
+            "restore_s": self.t_started - self.t_switch if self.t_switch else None,
+            "estimated_step_s": self.estimated_step_s, "first_step_s": self.first_step_s,
+        }
+
+
 @dataclass(frozen=True)
 class Refusal:
     """Why a registering node is turned away; ``misconfigured``: its launch differs from node 0's (before the
@@ -330,11 +361,12 @@ class NodeInfo:
 @dataclass
 class Search:
     """Planning under way in the planner's thread, for the plan resident when it began (and the devices a growth
-    would take in)."""
+    would take in, or the slow devices a reshape plans around, with their factors)."""
 
     resident: Plan
     future: Future
     joining: frozenset[int] = frozenset()
+    speeds: tuple[tuple[int, float], ...] = ()
 
     def stands(self, resident: Plan) -> bool:
         """Whether it was searched for ``resident`` and has finished."""
@@ -418,6 +450,16 @@ class Core:
         self.planner = planner
         self.precomputed: Search | None = None
         self.growth: Search | None = None
+        self.stragglers = (Stragglers(ratio=self.ft.slow_ratio, window=self.ft.slow_window)
+                           if self.ft.slow == SlowPolicy.on else None)
+        self.work: dict[int, float] = {}  # each trainer's compute per step under the resident plan, as modelled
+        self.roles: dict[int, tuple[int, int]] = {}  # each trainer's layers under the resident plan
+        self.self_timed: dict[int, float] = {}  # idle members' slowdowns reported since the last commit
+        self.reshaping: Search | None = None
+        self.reshape_due = False  # the verdict on slow devices changed since the last decision on it
+        self.reshape_after = 0  # no decision on slow devices before this step: the last one stands its cost's worth
+        self.reshapes: list[Reshape] = []
+        self.reshaped: Reshape | None = None  # a switch for slow devices, until its first commit
         self.out: list[object] = []
 
     def _cost_model(self, *, devices_per_host: int) -> None:
@@ -498,6 +540,7 @@ class Core:
                 self._inject(f)
         self._watchdog(now)
         self._consider_growth()
+        self._consider_reshape()
 
     # ----- nodes ----------------------------------------------------------------------------------
 
@@ -604,6 +647,9 @@ class Core:
                     self._commit_checkpoint(complete)
             case Standby():
                 self._on_standby(msg)
+            case SelfTimed():
+                if msg.generation == self.generation:
+                    self.self_timed[msg.device] = msg.slowdown
             case Dying():
                 self._record_fired([msg.fault])
                 if msg.fault.kind in ("node_kill", "node_hang"):  # its agent fires it once noted
@@ -673,6 +719,10 @@ class Core:
         self._emit(Broadcast(Begin(self.generation)))
         self.resident = self.spec.plan
         self.resident_times = self.ran.setdefault(plan_shape(self.resident), (self.resident, []))[1]
+        self.work = device_work(self.profile, self.resident)
+        self.roles = {d: st.layers for p in self.resident.pipelines for st in p.stages for d in st.devices}
+        if self.stragglers is not None:
+            self.stragglers.restart()
         if self.policy.precompute:  # the likely next faults need no search (the planner runs meanwhile)
             self.precomputed = Search(self.resident, self.planner.submit(precompute_replans, self.resident,
                                                                          self.planner_, self._likely_losses()))
@@ -682,6 +732,8 @@ class Core:
         for timeline in (self.pending, self.growing):
             if timeline is not None:
                 timeline.t_started = now
+        if self.reshaped is not None and self.reshaped.t_switch:
+            self.reshaped.t_started = now
 
     def _on_step(self, c: CommitStep) -> None:
         """Every node reported step ``c``: commit it, or replay it (not finite), or lose its outvoted replicas."""
@@ -756,6 +808,8 @@ class Core:
             self._say(f"chameleon: SIGTERM: saving a checkpoint after step {c.step}, then stopping")
         elif not self.ledger.finished and (grown := self._ripe_growth()) is not None:
             order = CommitOrder(switch_to=self._switch(grown))
+        elif not self.ledger.finished and (reshaped := self._ripe_reshape()) is not None:
+            order = CommitOrder(switch_to=self._switch_reshape(reshaped))
         now = self.clock.wall()
         self._emit(Broadcast(Commit(committed_in, c.step, order, c.grad_norm, now)))
         now_m = self.clock.mono()
@@ -764,6 +818,7 @@ class Core:
         self.step_times[c.step] = dt
         if steady:
             self.resident_times.append(dt)
+            self._judge_speeds(c)
         self.commit_times[c.step] = now
         self._emit(Committed(c.step, c.loss, c.samples, dt, c.compute_s, c.grad_norm,
                              learning_rate(c.step, **schedule_of(self.train)), committed_in, now, now - c.t_synced,
@@ -772,6 +827,8 @@ class Core:
             self._close_recovery(now, c.compute_s)
         if self.growing is not None and self.growing.t_started:
             self._close_growth(now)
+        if self.reshaped is not None and self.reshaped.t_started:
+            self._close_reshape(now, dt)
         if self.replaying is not None:
             self._replayed(c)
 
@@ -834,6 +891,9 @@ class Core:
         devices = self.membership.lose(devices)
         if not devices:
             return
+        if self.stragglers is not None:
+            self.stragglers.forget(devices)
+            self.reshape_due = bool(self.stragglers.slow)  # decided afresh on the plan the recovery brings
         self._emit(Broadcast(Flag(self.generation)))
         self.ledger.break_generation()
         step = self.ledger.next_step
@@ -859,7 +919,10 @@ class Core:
             self.pending.failed = sorted(set(self.pending.failed) | devices)
             self.pending.cause += f"; then {cause} during recovery"
             self.pending.where.update(positions)
-        self.growing = None
+        self.growing = self.reshaped = None
+        if self.reshaping is not None:
+            self.reshaping.future.cancel()  # a fault supersedes it; a search under way finishes unheard
+            self.reshaping = None
         for f in self.injector.during_decision(step):
             self._inject(f)
         try:
@@ -1044,9 +1107,84 @@ class Core:
                   f"(decide {g.t_decided - g.t_back:.3f}, wait for a step boundary {g.t_switch - g.t_decided:.3f}, "
                   f"restore {g.t_started - g.t_switch:.3f}, first step {g.t_first_commit - g.t_started:.3f})")
 
+    # ----- slow devices ----------------------------------------------------------------------------
+
+    def _judge_speeds(self, c: CommitStep) -> None:
+        """A steady step's pace of every trainer (and the idle members' self-tests): a device found slow, or back,
+        is decided on (:meth:`_consider_reshape`)."""
+        if self.stragglers is None:
+            return
+        pace = {d: busy / self.work[d] for d, busy in c.busy if self.work.get(d, 0.0) > 0 and busy > 0}
+        seen = self.stragglers.slowdowns(pace, self.roles) | self.self_timed
+        self.self_timed = {}
+        if self.stragglers.observe(seen):
+            self.reshape_due = True
+            slow = self.stragglers.slow
+            self._record(event="slow", step=c.step, slow={str(d): f for d, f in sorted(slow.items())},
+                         time=self.clock.wall())
+            self._say(f"chameleon: after step {c.step}, slow devices: "
+                      + (", ".join(f"{d} (×{f:.2f} its peers' time)" for d, f in sorted(slow.items())) or
+                         "none (all back to speed)"))
+
+    def _consider_reshape(self) -> None:
+        """A changed verdict on slow devices: decide in the planner's thread how to train around them (Eq. 8)."""
+        if (not self.reshape_due or self.reshaping is not None or self.stopping or not self.ledger.started
+                or self.ledger.finished or self.pending is not None or self.growing is not None
+                or self.ledger.next_step < self.reshape_after or len(self.resident_times) < 1):
+            return
+        self.reshape_due = False
+        speeds = dict(self.stragglers.slow)
+        recent = sorted(self.resident_times[-self.ft.slow_window:])
+        self.reshaping = Search(self.resident, self.planner.submit(
+            self.coordinator.reshape, self.resident, alive=set(self.membership.members), speeds=speeds,
+            step_s=recent[len(recent) // 2], horizon_s=self.ft.slow_expected_s, fault_times=list(self.fault_times),
+            elapsed_s=self.clock.wall() - self.t0, saved=self.saved, now=self.clock.wall(),
+        ), speeds=tuple(sorted(speeds.items())))
+        self.reshaped = Reshape(speeds, self.ledger.next_step, self.clock.wall())
+
+    def _ripe_reshape(self) -> Transition | None:
+        """A decided reshape that moves to a new plan, if it is ready and still stands (same plan, same verdict)."""
+        if self.reshaping is None or not self.reshaping.future.done():
+            return None
+        search, self.reshaping = self.reshaping, None
+        timeline = self.reshaped
+        if not search.stands(self.resident) or search.speeds != tuple(sorted(self.stragglers.slow.items())):
+            self.reshaped, self.reshape_due = None, True
+            return None
+        outcome: Transition | Decision = search.future.result()
+        timeline.t_decided = self.clock.wall()
+        decision = outcome if isinstance(outcome, Decision) else outcome.decision
+        timeline.decision = decision
+        self._record(event="reshape", step=timeline.step, slow={str(d): f for d, f in sorted(timeline.speeds.items())},
+                     decision=decision.to_dict(), time=timeline.t_decided)
+        if isinstance(outcome, Decision):
+            self.reshaped = None
+            self.reshapes.append(timeline)
+            self._say(f"chameleon: {decision.note}: tolerating them pays best\n{decision.table()}")
+            return None
+        timeline.plan, timeline.estimated_step_s = outcome.plan.describe(), outcome.estimated_step_s
+        return outcome
+
+    def _switch_reshape(self, to: Transition) -> int:
+        """Publish the generation chosen for slow devices; no new decision on them before it paid its transition."""
+        self.reshaped.t_switch = self.clock.wall()
+        chosen = to.decision.chosen
+        self.reshape_after = self.ledger.next_step + max(self.ft.slow_window,
+                                                         math.ceil(chosen.transition / max(chosen.t_step, 1e-9)))
+        self._say(f"chameleon: {to.decision.note}: {to.decision.choice}\n{to.decision.table()}\n"
+                  f"new plan:\n{to.plan.summary(self.resident)}")
+        self._publish(to.plan, members=to.members, resume_step=self.ledger.next_step, manifest=to.manifest)
+        return self.generation
+
+    def _close_reshape(self, now: float, step_s: float) -> None:
+        r, self.reshaped = self.reshaped, None
+        r.t_first_commit, r.first_step_s = now, step_s
+        self.reshapes.append(r)
+        self._record(event="reshaped", generation=self.generation, time=now, **r.record())
+
     def close(self) -> None:
         """Wait out background planning (a fault or the end supersedes it)."""
-        for search in (self.precomputed, self.growth):
+        for search in (self.precomputed, self.growth, self.reshaping):
             if search is not None:
                 search.future.cancel()
 

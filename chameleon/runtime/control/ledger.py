@@ -36,7 +36,7 @@ class CommitStep:
     in node order), ``t_synced`` when the slowest node's last trainer synced, ``corrupt``
     the trainers whose own gradients or loss were not finite before the sync, ``outvoted``
     the replicas whose state disagreed with the rest of their group (every one of a group
-    with no majority).
+    with no majority), ``busy`` each trainer's own compute (seconds).
     """
 
     step: int
@@ -47,6 +47,7 @@ class CommitStep:
     t_synced: float
     corrupt: tuple[int, ...] = ()
     outvoted: tuple[int, ...] = ()
+    busy: tuple[tuple[int, float], ...] = ()
 
     @property
     def finite(self) -> bool:
@@ -195,6 +196,7 @@ class Ledger:
             math.sqrt(sum(norms)) if norms else None, max(n.t_synced for n in nodes),
             tuple(sorted(d for n in nodes for d in n.corrupt)),
             _outvoted(self.replica_groups, dict(d for n in nodes for d in n.digests)),
+            tuple(b for n in nodes for b in n.busy),
         )
         if step.commits:  # a step that is not finite stays open for its replay; one whose replicas disagree, for
             self.committed = msg.step  # the recovery from the loss of the outvoted

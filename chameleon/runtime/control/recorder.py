@@ -83,7 +83,7 @@ class Recorder:
             shown["val"] = f"{self.val_losses[max(self.val_losses)]:.4f}"
         self.bar.set_postfix(shown | {"gen": self.generation})
 
-    def summary(self, *, recoveries: list[dict], growths: list[dict], plan: str, generations: int, world_size: int,
+    def summary(self, *, recoveries: list[dict], growths: list[dict], reshapes: list[dict], plan: str, generations: int, world_size: int,
                 nnodes: int, wall_s: float, startup_s: float | None, store_ops: dict[int, int],
                 peak_rss: dict[int, int], memory_estimate: dict[int, float]) -> Path:
         """Write ``summary.json`` (every step must have committed); return its path.
@@ -118,6 +118,7 @@ class Recorder:
             "generations": generations,
             "recoveries": recoveries,
             "growths": growths,
+            "reshapes": reshapes,  # decisions on slow devices: tolerate, rebalance, replan or evict
             "sample_ids_digest": sample_ids_digest([list(range(*self.samples[s])) for s in steps]),
             "wall_s": wall_s,
             "startup_s": startup_s,

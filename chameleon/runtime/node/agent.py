@@ -239,7 +239,8 @@ def _node_synced(node: int, generation: int, step: int, reports: list[tuple[Sync
     return NodeSynced(node, generation, step, tuple(s.device for s, _ in reports), sum(s.loss_sum for s, _ in reports),
                       samples, max(s.compute_s for s, _ in reports), norm, max(t for _, t in reports),
                       tuple(s.device for s, _ in reports if not s.finite),
-                      tuple((s.device, s.digest) for s, _ in reports if s.digest is not None))
+                      tuple((s.device, s.digest) for s, _ in reports if s.digest is not None),
+                      tuple((s.device, s.busy_s) for s, _ in reports))
 
 
 # ----- a remote node's agent process ------------------------------------------------------------

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from chameleon.config import Config
-from chameleon.faults.spec import FaultSpec
+from chameleon.faults.spec import PACED_KINDS, FaultSpec
 from chameleon.runtime.node.beacon import Beacon
 from chameleon.runtime.node.downlink import Downlink, board_words
 from chameleon.runtime.protocol import codec
@@ -144,7 +144,8 @@ class Processes:
             except (EOFError, OSError):
                 return
             if isinstance(message, Dying):
-                w.t_fault = message.t
+                if message.fault.kind not in PACED_KINDS:  # a slow device lives on: its onset is no time of death
+                    w.t_fault = message.t
                 self.faults[device] = tuple(f for f in self.faults.get(device, ()) if f != message.fault)
             elif isinstance(message, Done):
                 w.done = True

@@ -164,6 +164,18 @@ class Synced:
     norm_sq: float | None = None
     finite: bool = True  # its own gradients and loss were finite before the sync
     digest: int | None = None  # CRC-32 of this step's slice of its state (ft.digest_interval), as the step used it
+    busy_s: float = 0.0  # of compute_s, the seconds it computed (forwards and backwards, waits left out)
+
+
+@dataclass(frozen=True)
+class SelfTimed:
+    """A member the plan leaves idle timed its self-test as ``step`` went by: ``slowdown`` is that time over its
+    time at start (how a device out of work shows that its speed is back)."""
+
+    device: int
+    generation: int
+    step: int
+    slowdown: float
 
 
 @dataclass(frozen=True)
@@ -290,6 +302,7 @@ class NodeSynced:
     t_synced: float
     corrupt: tuple[int, ...] = ()  # its trainers whose own gradients or loss were not finite before the sync
     digests: tuple[tuple[int, int], ...] = ()  # (device, digest) of its trainers that digested their state
+    busy: tuple[tuple[int, float], ...] = ()  # (device, seconds it computed) of its trainers
 
 
 @dataclass(frozen=True)
@@ -472,7 +485,7 @@ codec.register_packed(Plan, pack=_pack_plan, unpack=_unpack_plan)
 codec.register_packed(Manifest, pack=_pack_manifest, unpack=_unpack_manifest)
 codec.register(
     Pipeline, Stage, Reroute, Move, Position, FaultSpec, GenerationSpec, CommitOrder,
-    Moves, Publish, Begin, Commit, Flag, End, Standby, Ready, Synced, Evaluated, CheckpointSaved, Failed, Damaged, Dying,
+    Moves, Publish, Begin, Commit, Flag, End, Standby, Ready, Synced, SelfTimed, Evaluated, CheckpointSaved, Failed, Damaged, Dying,
     FinalShards, Done,    Hello, Lease, NodeReady, NodeSynced, NodeEvaluated, NodeSaved, Positions, Exited, Hung,
     Renew, Start, Inject, Noted, Probe, Welcome, Signal, Shutdown,
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -65,3 +66,24 @@ def is_device_fault(error: BaseException) -> bool:
     """
     accelerator = getattr(torch, "AcceleratorError", ())
     return isinstance(error, DeviceFault) or bool(accelerator) and isinstance(error, accelerator)
+
+
+SELF_TEST_SIDE = 256  # the self-test multiplies matrices this wide (about a millisecond on a CPU core)
+
+
+def self_test(device: torch.device, pace=None, *, runs: int = 3) -> float:
+    """Seconds of a fixed piece of work on ``device``: the fastest of ``runs`` runs of four matmuls, each run paced
+    by ``pace(seconds)`` as a forward is (a slow fault stretches it). An idle device's speed, against its own at start."""
+    a = torch.randn(SELF_TEST_SIDE, SELF_TEST_SIDE, device=device)
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        b = a
+        for _ in range(4):
+            b = b @ a
+        if device.type != "cpu":
+            getattr(torch, device.type).synchronize(device)
+        if pace is not None:
+            pace(time.perf_counter() - start)
+        best = min(best, time.perf_counter() - start)
+    return best

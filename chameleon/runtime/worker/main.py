@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
@@ -38,7 +39,7 @@ from typing import NoReturn
 
 import torch
 
-from chameleon.config import Backend, Config, Device
+from chameleon.config import Backend, Config, Device, SlowPolicy
 from chameleon.data.stream import Streams, evaluation_due, open_streams
 from chameleon.faults.inject import WorkerFaults, typical
 from chameleon.faults.spec import FaultSpec, node_firer
@@ -69,6 +70,7 @@ from chameleon.runtime.protocol.messages import (
     FinalShards,
     GenerationSpec,
     Ready,
+    SelfTimed,
     Standby,
     Synced,
     sample_ranges,
@@ -77,7 +79,7 @@ from chameleon.runtime.protocol.timeouts import Timeouts
 from chameleon.runtime.protocol.topology import Topology
 from chameleon.runtime.worker.comm import ABANDONED, Generation, PeerFailure, connect_store, store_ops
 from chameleon.runtime.worker.completion import apply_library_policy
-from chameleon.runtime.worker.device import is_device_fault, prepare_device
+from chameleon.runtime.worker.device import is_device_fault, prepare_device, self_test
 from chameleon.runtime.worker.schedule import evaluate, run_step
 from chameleon.runtime.worker.stage import StageState, role_of, stage_regions
 from chameleon.runtime.worker.transfer import execute_manifest
@@ -229,6 +231,12 @@ def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> Non
     faults = WorkerFaults(list(spec.faults), device=me, beacon=beacon, node_of=topology.node_of,
                           announce=announce)
     confirm_s = Timeouts.of(cfg).confirm_s
+    base_s = self_test(device, runs=20)  # its speed at start (the fastest of many runs, while the host starts up)
+
+    def self_timed(generation: int, step: int) -> None:
+        if cfg.ft.slow == SlowPolicy.on:
+            uplink.send(SelfTimed(me, generation, step, self_test(device, faults.pace) / base_s))
+
     state: StageState | None = None
     generation, member, compute_s, previous, done = 0, False, [], None, False
     while True:
@@ -261,7 +269,8 @@ def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> Non
             pushed.begun(gen)
             state = established
             order = _train(gen_spec, state, gen=gen, model=model, cfg=cfg, streams=streams, uplink=uplink,
-                           faults=faults, pushed=pushed, compute_s=compute_s, run_dir=spec.run_dir)
+                           faults=faults, pushed=pushed, compute_s=compute_s, run_dir=spec.run_dir,
+                           self_timed=self_timed)
         except PeerFailure:
             if state is not None:
                 state.discard_gradients()
@@ -329,17 +338,18 @@ def _establish(
 
 def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generation, model, cfg: Config,
            streams: Streams, uplink, faults: WorkerFaults, pushed: _Pushed, compute_s: list[float],
-           run_dir: str) -> CommitOrder | None:
+           run_dir: str, self_timed: Callable[[int, int], None]) -> CommitOrder | None:
     """Train from the resume step; return the order that ended the generation early, None at the last step.
 
     The validation loss is taken before each step it is due at and after the last one
     (unless this job recorded it already). A fault raises :class:`PeerFailure`. Devices
-    without a stage follow the commits until one ends the generation.
+    without a stage follow the commits until one ends the generation, timing their self-test each step.
     """
     train, plan, me = cfg.train, gen_spec.plan, gen.me
     faults.stage = state
     if state is None:
-        return _idle(gen_spec, gen=gen, pushed=pushed, steps=train.steps, faults=faults)
+        return _idle(gen_spec, gen=gen, pushed=pushed, steps=train.steps, faults=faults,
+                     self_timed=partial(self_timed, gen.generation))
     role = role_of(plan, me)
     layout = spec_of(model).layout(model, plan)
     rounds = sync_rounds(geometry_of(plan), layout)
@@ -352,7 +362,7 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
         if (streams.val is not None and step > gen_spec.evaluated
                 and evaluation_due(step, interval=train.eval_interval, steps=train.steps)):
             loss = evaluate(step, plan=plan, actions=actions, state=state, stream=streams.val, gen=gen, model=model,
-                            train=train, tp=tp, on_phase=faults.phase)
+                            train=train, tp=tp, on_phase=faults.phase, pace=faults.pace)
             uplink.send(Evaluated(me, gen.generation, step, loss))
 
     slots = cfg.ft.digest_interval
@@ -369,11 +379,12 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
                 result = run_step(
                     step, plan=plan, actions=actions, state=state, stream=streams.train, gen=gen, model=model,
                     train=train, rounds=rounds, tp=tp, norm_regions=norm_regions, on_phase=faults.phase,
+                    pace=faults.pace,
                 )
                 compute_s.append(time.perf_counter() - start)
                 faults.step_synced()
                 uplink.send(Synced(me, gen.generation, step, result.loss_sum, sample_ranges(result.sample_ids),
-                                   compute_s[-1], result.norm_sq, result.finite, digest))
+                                   compute_s[-1], result.norm_sq, result.finite, digest, result.busy_s))
                 faults.phase("commit", step=step)
                 commit = pushed.commit(gen, step)
             except PeerFailure:
@@ -391,10 +402,12 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
 
 
 def _idle(gen_spec: GenerationSpec, *, gen: Generation, pushed: _Pushed, steps: int,
-          faults: WorkerFaults) -> CommitOrder | None:
-    """A member without a stage: follow the commits until one ends the generation, or the last step."""
+          faults: WorkerFaults, self_timed: Callable[[int], None]) -> CommitOrder | None:
+    """A member without a stage: follow the commits until one ends the generation, or the last step, timing its
+    self-test as each step starts (``self_timed(step)``)."""
     for step in range(gen_spec.resume_step, steps):
         faults.idle_step(step)
+        self_timed(step)
         order = pushed.commit(gen, step).order
         while order.replay:
             order = pushed.commit(gen, step).order

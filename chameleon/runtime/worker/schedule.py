@@ -7,6 +7,7 @@ devices exchanging several kinds of traffic can never mismatch them.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,12 +37,29 @@ def message_tag(pipeline: int, sender_stage: int, backward: bool) -> int:
 @dataclass
 class StepResult:
     """What one device contributes to a step: summed loss, the samples it trained (last stages), its part
-    of the squared global gradient norm (when clipping), and whether its own loss and gradients were finite."""
+    of the squared global gradient norm (when clipping), whether its own loss and gradients were finite, and
+    the seconds it computed (its forwards and backwards, waits for its peers left out)."""
 
     loss_sum: float = 0.0
     sample_ids: list[int] = field(default_factory=list)
     norm_sq: float | None = None  # Σ‖g‖² over this device's pieces of the plan's gradient, when train.clip_norm > 0
     finite: bool = True  # before the sync, so a device that computed a non-finite value is the one named
+    busy_s: float = 0.0
+
+
+class _Busy:
+    """Times a device's own compute (``with busy:``), paced by ``pace(seconds)`` (a slow fault stretches it)."""
+
+    def __init__(self, pace: Callable[[float], None] | None):
+        self.pace, self.seconds = pace, 0.0
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        if self.pace is not None and exc[0] is None:
+            self.pace(time.perf_counter() - self.start)
+        self.seconds += time.perf_counter() - self.start
 
 
 class _Forwards:
@@ -49,9 +67,10 @@ class _Forwards:
     and the send of that output to the next stage (the activations' peer is the executor of the same rank)."""
 
     def __init__(self, *, plan: Plan, state: StageState, stream: SampleStream, gen: Generation, model: ModelConfig,
-                 train: TrainConfig, tp: TensorParallelOps | None):
+                 train: TrainConfig, tp: TensorParallelOps | None, busy: _Busy):
         self.plan, self.state, self.stream, self.gen, self.model, self.train, self.tp = (
             plan, state, stream, gen, model, train, tp)
+        self.busy = busy
         self.first_micro = [r.start for r in micro_batch_ranges(plan)]
         self.hidden_shape = (plan.micro_batch_size, train.seq_len, model.dim)
         self.sends = []
@@ -77,10 +96,11 @@ class _Forwards:
             src = executors(plan, p, s - 1, i)[t]
             gen.wait(gen.recv(x, src, tag=message_tag(p, s - 1, False)), peer=src)
             x.requires_grad_(torch.is_grad_enabled())
-        out = spec_of(self.model).stage_forward(
-            self.state.params, self.model, x, layers=pipe.stages[s].layers, first=first, last=last,
-            targets=targets if last else None, tp=self.tp, recompute=self.train.recompute,
-        )
+        with self.busy:
+            out = spec_of(self.model).stage_forward(
+                self.state.params, self.model, x, layers=pipe.stages[s].layers, first=first, last=last,
+                targets=targets if last else None, tp=self.tp, recompute=self.train.recompute,
+            )
         if not last:
             self.sends.append(gen.send(out.detach().contiguous(), executors(plan, p, s + 1, i)[t],
                                        tag=message_tag(p, s, False)))
@@ -101,6 +121,7 @@ def run_step(
     tp: TensorParallelOps | None,
     norm_regions: Mapping[str, Region] | None = None,
     on_phase: Callable[..., None] | None = None,
+    pace: Callable[[float], None] | None = None,
 ) -> StepResult:
     """Forward and backward of this device's actions, the gradient sync, its part of the norm (no optimizer step).
 
@@ -115,10 +136,11 @@ def run_step(
     the controller commits no step that is not, and names the device that made it so.
     ``on_phase(phase, step=, detail=)`` is called as each forward/backward (detail:
     the micro-batch) and each sync round starts: the worker's beacon and its fault
-    injection hook in there.
+    injection hook in there; ``pace(seconds)`` after each forward and backward (a slow device's, stretched).
     """
     scale = 1.0 / (train.global_batch * train.seq_len)
-    forward = _Forwards(plan=plan, state=state, stream=stream, gen=gen, model=model, train=train, tp=tp)
+    busy = _Busy(pace)
+    forward = _Forwards(plan=plan, state=state, stream=stream, gen=gen, model=model, train=train, tp=tp, busy=busy)
     result = StepResult()
     saved: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     for action in actions:
@@ -137,16 +159,18 @@ def run_step(
         x, out = saved.pop((p, s, i))
         t = executors(plan, p, s, i).index(gen.me)
         if s == plan.pipelines[p].n_stages - 1:
-            out.backward()
+            with busy:
+                out.backward()
         else:
             grad = forward.hidden()
             src = executors(plan, p, s + 1, i)[t]
             gen.wait(gen.recv(grad, src, tag=message_tag(p, s + 1, True)), peer=src)
-            out.backward(grad)
+            with busy:
+                out.backward(grad)
         if s > 0:
             forward.sends.append(gen.send(x.grad.contiguous(), executors(plan, p, s - 1, i)[t], tag=message_tag(p, s, True)))
     gen.wait(*forward.sends)
-    result.finite = math.isfinite(result.loss_sum) and state.grads_finite()
+    result.finite, result.busy_s = math.isfinite(result.loss_sum) and state.grads_finite(), busy.seconds
     sync_gradients(rounds, state=state, gen=gen, on_round=None if on_phase is None else partial(on_phase, "sync", step=step))
     if train.clip_norm > 0:
         result.norm_sq = state.grad_sum_of_squares(norm_regions or {}).item()
@@ -165,6 +189,7 @@ def evaluate(
     train: TrainConfig,
     tp: TensorParallelOps | None,
     on_phase: Callable[..., None] | None = None,
+    pace: Callable[[float], None] | None = None,
 ) -> float:
     """The validation loss before step ``step``, this device's part: forward only, nothing kept or committed.
 
@@ -173,9 +198,10 @@ def evaluate(
     step's are) in the forward order of the step's 1F1B lists; each last stage
     adds up its summed token loss over ``eval_batches · global_batch · seq_len``,
     so the parts of all devices sum to the mean token loss. ``on_phase("eval",
-    step=step, detail=j)`` is called as batch ``j`` starts.
+    step=step, detail=j)`` is called as batch ``j`` starts; ``pace`` as in :func:`run_step`.
     """
-    forward = _Forwards(plan=plan, state=state, stream=stream, gen=gen, model=model, train=train, tp=tp)
+    forward = _Forwards(plan=plan, state=state, stream=stream, gen=gen, model=model, train=train, tp=tp,
+                        busy=_Busy(pace))
     forwards = [a for a in actions if a.kind == "F"]
     total = torch.zeros((), dtype=torch.float64, device=state.device)
     with torch.no_grad():

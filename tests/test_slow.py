@@ -1,0 +1,156 @@
+"""Fail-slow devices: the straggler verdict (persistent, against peers of the same layers), the estimator at
+per-device speeds, micro-batches rebalanced by speed, and the Eq. 8 decision on slow devices."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import SMALL_RUN, assert_nothing_lost, run_entry
+
+from chameleon.decision import estimator as est
+from chameleon.decision.config import PolicyConfig
+from chameleon.decision.planner import Planner
+from chameleon.decision.selector import decide_slow
+from chameleon.faults.spec import FailureConfig, planned_faults
+from chameleon.layout.plan import even_plan, validate_plan
+from chameleon.runtime.control.stragglers import Stragglers
+from tests.test_decision_estimator import tiny_profile
+
+DP4 = even_plan(dp=4, pp=1, tp=1, n_layers=4, global_batch=16, micro_batch=1)  # 4 micro-batches per pipeline
+
+
+def judge(stragglers: Stragglers, paces: list[dict[int, float]], role=None) -> list[dict[int, float]]:
+    """The verdict after each step's paces (every device of one role unless ``role`` says otherwise)."""
+    out = []
+    for pace in paces:
+        stragglers.observe(stragglers.slowdowns(pace, role or dict.fromkeys(pace, "layers 0-4")))
+        out.append(dict(stragglers.slow))
+    return out
+
+
+def test_a_blip_shorter_than_the_window_is_no_straggler_and_a_persistent_one_is_found_at_the_window():
+    healthy, slow = {0: 1.0, 1: 1.0, 2: 1.1, 3: 0.9}, {0: 1.0, 1: 3.0, 2: 1.1, 3: 0.9}
+    blip = judge(Stragglers(ratio=1.5, window=4), [healthy, slow, slow, slow, healthy, healthy])
+    assert all(v == {} for v in blip)
+    verdicts = judge(Stragglers(ratio=1.5, window=4), [healthy, slow, slow, slow, slow])
+    assert verdicts[3] == {} and verdicts[4] == {1: pytest.approx(3.0)}
+
+
+def test_a_slow_device_is_back_after_a_window_below_the_ratio():
+    s = Stragglers(ratio=1.5, window=3)
+    slow, healthy = {0: 1.0, 1: 4.0, 2: 1.0}, {0: 1.0, 1: 1.0, 2: 1.0}
+    verdicts = judge(s, [slow] * 3 + [healthy, {0: 1.0, 1: 2.0, 2: 1.0}, healthy, healthy, healthy])
+    assert verdicts[2] == {1: 4.0}
+    assert verdicts[5] == {1: 4.0}, "a window that still holds a slow step is not back"
+    assert verdicts[7] == {}
+
+
+def test_stages_of_different_cost_are_judged_against_their_own_peers():
+    """dp2 × pp2: the model prices stage 1 low, so its devices' pace is 1.6 × stage 0's: no one is slow; a device
+    of stage 1 at 3 × its peer is."""
+    role = {0: "0-2", 2: "0-2", 1: "2-4", 3: "2-4"}
+    even = {0: 1.0, 2: 1.0, 1: 1.6, 3: 1.6}
+    assert judge(Stragglers(ratio=1.5, window=2), [even] * 3, role)[-1] == {}
+    assert judge(Stragglers(ratio=1.5, window=2), [{**even, 3: 4.8}] * 3, role)[-1] == {3: pytest.approx(3.0)}
+
+
+def test_a_device_with_no_peer_is_judged_against_its_own_pace_and_stays_slow_on_a_new_plan():
+    s = Stragglers(ratio=1.5, window=2)
+    role = {0: "0-1", 1: "1-2"}  # a pipeline without replicas: no device has a peer
+    assert judge(s, [{0: 1.0, 1: 1.3}] * 2 + [{0: 1.0, 1: 3.9}] * 2, role)[-1] == {1: pytest.approx(3.0)}
+    s.restart()  # a new plan: its baseline is taken anew while it is slow, at its known factor
+    verdicts = judge(s, [{0: 1.0, 1: 3.9}] * 4 + [{0: 1.0, 1: 1.3}] * 2, role)
+    assert verdicts[3] == {1: pytest.approx(3.0)} and verdicts[5] == {}
+
+
+def test_a_lost_device_leaves_the_verdict():
+    s = Stragglers(ratio=1.5, window=1)
+    judge(s, [{0: 1.0, 1: 5.0, 2: 1.0}])
+    s.forget({1})
+    assert s.slow == {} and 1 not in s.history
+
+
+def test_a_slow_stage_stretches_the_estimate_and_rebalancing_gives_it_fewer_micro_batches():
+    prof = tiny_profile()
+    even, slow = est.estimate_step(prof, DP4), est.estimate_step(prof, DP4, speeds={1: 3.0})
+    assert slow.compute == pytest.approx(3 * even.compute) and slow.optimizer == pytest.approx(3 * even.optimizer)
+    moved = est.rebalanced(prof, DP4, {1: 3.0})
+    validate_plan(moved)
+    counts = [p.micro_batches for p in moved.pipelines]
+    assert sum(counts) == 16 and counts[1] < min(counts[0], counts[2], counts[3])
+    assert [p.stages for p in moved.pipelines] == [p.stages for p in DP4.pipelines], "no state moves"
+    assert est.estimate_step(prof, moved, speeds={1: 3.0}).compute < 0.6 * slow.compute
+    assert est.rebalanced(prof, DP4, {}) == DP4
+
+
+def test_the_decision_on_a_slow_device_weighs_tolerate_rebalance_replan_and_evict_by_eq8():
+    prof = tiny_profile()
+    policy = PolicyConfig(fixed_d_s=1e6)
+    d = decide_slow(prof, DP4, {1: 3.0}, policy=policy, planner=Planner(prof), horizon_s=600.0)
+    assert [c.name for c in d.candidates] == ["tolerate", "rebalance", "replan", "evict"]
+    assert all(c.feasible for c in d.candidates)
+    by = {c.name: c for c in d.candidates}
+    assert d.choice == max(d.candidates, key=lambda c: c.score).name != "tolerate"
+    assert by["tolerate"].t_step > 1.5 * by[d.choice].t_step
+    assert 1 not in by["evict"].plan.devices and by["tolerate"].transition == 0.0
+    assert d.d_s == 600.0, "scored over the slowness's expected remaining time, not D"
+
+
+def test_back_to_speed_a_device_the_plan_leaves_idle_is_taken_back_in():
+    prof = tiny_profile()
+    three = even_plan(dp=3, pp=1, tp=1, n_layers=4, global_batch=12, micro_batch=1)  # devices 0, 1, 2
+    d = decide_slow(prof, three, {}, policy=PolicyConfig(fixed_d_s=1e6), planner=Planner(prof), horizon_s=600.0,
+                    idle={3})
+    assert d.choice == "replan" and 3 in d.chosen.plan.devices
+    assert not next(c for c in d.candidates if c.name == "evict").feasible
+
+
+@pytest.mark.parametrize("override, key", [({"factor": 0.5}, "failure.factor=0.5"), ({"rank": 9}, "failure.rank=9"),
+                                           ({"duration_s": -1.0}, "failure.duration_s=-1.0"),
+                                           ({"phase": "forward"}, "phase=any")])
+def test_a_nonsense_slow_fault_is_refused_naming_its_key(override, key):
+    cfg = FailureConfig(**{"kind": "slow", "rank": 1, "step": 3, **override})
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        planned_faults(cfg, world=4)
+
+
+SLOW_RUN = (*SMALL_RUN, "train.steps=12", "train.micro_batch=1")  # 8 micro-batches: 2 per pipeline of dp4
+
+
+@pytest.fixture(scope="module")
+def slow_reference(tmp_path_factory):
+    """The single-process reference of SLOW_RUN."""
+    run = run_entry("train", tmp_path_factory.mktemp("ref_slow") / "run", *SLOW_RUN, "launcher.nproc_per_node=1")
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+@pytest.mark.full
+def test_a_persistent_straggler_is_found_within_the_window_and_trained_around_with_nothing_lost(tmp_path,
+                                                                                               slow_reference):
+    """Device 1 of dp4 computes 4 × slower from step 2 on (real workers, the slowness a real stretch of its
+    forwards and backwards). Judged over 3 steady steps, it is found by step 6, a plan that trains around it is
+    chosen by Eq. 8 and switched to at a step boundary, and the run ends at the failure-free losses, samples and
+    parameters."""
+    run = run_entry("train", tmp_path / "run", *SLOW_RUN, "launcher.nproc_per_node=4", "failure=slow",
+                    "failure.rank=1", "failure.step=2", "failure.factor=4", "ft.slow_window=3")
+    got = assert_nothing_lost(run, slow_reference)
+    log = [json.loads(x) for x in (run.run_dir / "events.jsonl").read_text().splitlines()]
+    (found,) = [e for e in log if e["event"] == "slow"]
+    assert found["step"] <= 6 and set(found["slow"]) == {"1"} and found["slow"]["1"] > 1.5
+    (decided,) = [e for e in log if e["event"] == "reshape"]
+    chosen = decided["decision"]["choice"]
+    assert chosen in ("rebalance", "replan", "evict"), decided["decision"]
+    (reshape,) = got["reshapes"]
+    assert reshape["chosen"] == chosen and reshape["first_step_s"] > 0
+    assert "chameleon: after step" in run.stderr and "slow devices: 1 (×" in run.stderr
+    assert got["generations"] == 2 and got["recoveries"] == []
+
+
+@pytest.mark.full
+def test_with_ft_slow_off_a_straggler_is_tolerated_and_nothing_is_judged(tmp_path, slow_reference):
+    run = run_entry("train", tmp_path / "run", *SLOW_RUN, "launcher.nproc_per_node=4", "failure=slow",
+                    "failure.rank=1", "failure.step=2", "failure.factor=4", "ft.slow_window=3", "ft.slow=off")
+    got = assert_nothing_lost(run, slow_reference)
+    assert got["reshapes"] == [] and got["generations"] == 1 and "slow devices" not in run.stderr
