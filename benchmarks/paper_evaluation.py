@@ -278,6 +278,8 @@ def collect_facts(plain, repaired, setup) -> dict:
     return dict(
         ref_shape=" + ".join(f"{p.n_stages}-stage ×{p.micro_batches}mb" for p in ref.pipelines),
         ref_tput=setup.reference_throughput,
+        start_shape=f"{setup.plan.dp} × {setup.plan.pipelines[0].n_stages} stages",
+        start_share=setup.plan.global_batch / setup.planning.t_step(setup.plan) / setup.reference_throughput,
         recipe_share=recipe.plan.global_batch / recipe.planning.t_step(recipe.plan) / setup.reference_throughput,
         n_cards=n, node=profile.devices_per_node, n_nodes=-(-n // profile.devices_per_node),
         batch=recipe_cfg.train.global_batch, seq_len=recipe_cfg.train.seq_len, micro_batch=recipe_cfg.train.micro_batch,
@@ -346,8 +348,10 @@ with Chameleon's runtime is in [torchft.md](torchft.md).
   {recipe_share:.3f} of it, so it is no reference. No ratio to the reference can exceed 1. The
   linear limit `(cards left)/{n_cards}` is not a hard bound: the planner's plans differ in efficiency
   per card (a plan on fewer cards can beat its share of the {n_cards}-card one), so it is printed beside the ratios.
-- **Chameleon starts** from the planner's plan on all {n_cards} cards (`sim.initial=planner`); each
-  baseline starts from its own plan (its column `own failure-free / ref.` in the detailed table).
+- **Every policy starts** from one plan, the planner's fastest even plan on all {n_cards} cards
+  ({start_shape}, {start_share:.3f} of the reference; `sim.initial=planner`): equal pipelines, as torchft
+  and ReCycle replicate them. Bamboo and Oobleck lay the cards out by their own rules (shadow stages; at least
+  f+1 templates): their column `own failure-free / ref.` in the detailed table.
 
 ## The baselines and what each models
 
@@ -405,8 +409,8 @@ days each (cards back after {llama3_repair_h:g} h) hold {field_faults} faults in
 {field}
 
 At this rate a {n_cards}-card job meets {faults_per_run:.1f} faults a run on average, so two things separate the policies:
-what each pays without faults (its own failure-free plan: the even plans of the others below the
-planner's uneven one, Bamboo's redundant forward and shadow memory, checkpoint writes) and how long
+what each pays without faults (the common even plan's {start_share:.3f} of the reference; Oobleck's templates,
+Bamboo's redundant forward and shadow memory, checkpoint writes) and how long
 one fault's damage lasts (the last column): Oobleck never takes the repaired card back, ReCycle
 and torchft run degraded until the repair (ReCycle longer when a second fault forced a restart),
 checkpoint-restart rolls back and relaunches twice.
@@ -440,9 +444,8 @@ checkpoint-restart rolls back and relaunches twice.
   on fewer peers; across the {n_rates} rates it rerouted {rec_reroutes} faults, restarted {rec_restarts}
   times when rerouting became impossible (no live peer, or the hosts' extra activations no longer
   fit), and stopped {rec_halts} times when a stage had lost every replica. Chameleon forced to reroute
-  its own uneven plan does worse after the first fault ({reroute_first:.3f}): a lost stage has
-  same-stage peers only in pipelines of its own length (as few as {fewest_peers} in this plan), so
-  those peers carry all of its micro-batches; Eq. 8 re-plans instead.
+  does worse after the first fault ({reroute_first:.3f}): the lost stage's micro-batches go to its
+  {fewest_peers} same-stage peers, which carry them on top of their own; Eq. 8 re-plans instead.
 - **ElasWave, the highest anchor, is ahead of Chameleon by up to {elas_over_cham:.2%}:** our model
   of it pays 1 s per change and nothing for migration, where Chameleon pays its state migration
   (a mean of {cham_pause:.1f} s per fault on the {first_label} trace). Chameleon's choices across the plain traces: {cham_choices}. With transitions this

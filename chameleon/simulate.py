@@ -2,19 +2,21 @@
 
 Example::
 
+    python -m chameleon.simulate      # the tiny model on the local devices, faults at a demonstration rate
     python -m chameleon.simulate +recipe=llama7b cluster=ascend910b_32 trace=oobleck trace.interval_s=1800 \\
         sim.horizon_h=8
     python -m chameleon.simulate --multirun +recipe=llama7b cluster=ascend910b_32 trace=oobleck \\
         trace.interval_s=21600,3600,600
     python -m chameleon.sim.report multirun/DATE/TIME     # one table across the sweep
-    python -m chameleon.simulate +recipe=llama7b cluster=ascend910b_32 sim.initial=planner trace=llama3 \
+    python -m chameleon.simulate +recipe=llama7b cluster=ascend910b_32 trace=llama3 \\
         sim.horizon_h=1296                                # Llama 3's fault rate, 54 days
 
 Every policy in ``sim.policies`` (Chameleon's and the baselines of
-:mod:`chameleon.sim.baselines`) runs on the same trace, driving the real planner,
-estimator and selector; every ratio divides by the planner's best failure-free plan
-on the whole cluster. The run dir gets ``summary.json`` (every run, its time
-breakdown and each recovery), ``table.md``, ``throughput.png`` and ``breakdown.png``.
+:mod:`chameleon.sim.baselines`) runs on the same trace from the same plan
+(:func:`starting_plan`), driving the real planner, estimator and selector; every
+ratio divides by the planner's best failure-free plan on the whole cluster. The run
+dir gets ``summary.json`` (every run, its time breakdown and each recovery),
+``table.md``, ``throughput.png`` and ``breakdown.png``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from chameleon.sim import report
 from chameleon.sim.config import SimConfig, SimPolicy, TraceConfig
 from chameleon.sim.engine import RunResult, Setup, simulate
 from chameleon.sim.policies import Planning
-from chameleon.sim.traces import Event, build_trace, node_devices, nominal_mtbf_s, read_csv
+from chameleon.sim.traces import Event, build_trace, describe, node_devices, nominal_mtbf_s, read_csv
 
 USAGE = """
 usage: python -m chameleon.simulate [+recipe=NAME] [cluster=NAME] [trace=KIND] [sim.horizon_h=H] [KEY=VALUE ...]
@@ -48,7 +50,8 @@ the same trace, each decision made by the real planner, estimator and selector. 
 (per-device and per-node MTBFs, repairs), oobleck (a node removed every trace.interval_s), csv
 (an Oobleck-format file, trace.path=FILE: lines ms,add|remove,nodeX), none.
 
-  python -m chameleon.simulate                                    the tiny model on 8 local devices
+  python -m chameleon.simulate                                    the tiny model on the 4 local devices, faults at a
+                                                                  demonstration rate (trace=demo: a device a day)
   python -m chameleon.simulate +recipe=llama7b cluster=ascend910b_32 trace=oobleck trace.interval_s=1800
 """
 
@@ -75,9 +78,7 @@ def check(cfg: DictConfig) -> None:
     if trace.kind == "csv":
         _check_csv(trace, n_devices=cluster.n_devices)
     if sim.initial == "recipe":
-        devices = len(build_plan(cfg).devices)
-        _require(devices == cluster.n_devices, f"the recipe's plan uses {devices} devices but cluster.n_devices="
-                 f"{cluster.n_devices}: set sim.initial=planner to plan the whole cluster, or match parallel.* to it")
+        _require_whole_cluster(build_plan(cfg), n_devices=cluster.n_devices)
 
 
 def _check_csv(trace: TraceConfig, *, n_devices: int) -> None:
@@ -100,11 +101,17 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _require_whole_cluster(plan: Plan, *, n_devices: int) -> None:
+    _require(len(plan.devices) == n_devices, f"the recipe's plan uses {len(plan.devices)} devices but cluster.n_devices="
+             f"{n_devices}: set sim.initial=planner to plan the whole cluster, or match parallel.* to it")
+
+
 def prepare(cfg: DictConfig) -> tuple[Setup, tuple[Event, ...], float, SimConfig]:
     """The simulation of a composed config: setup, trace events, horizon in seconds, sim options.
 
     Raises:
-        ValueError: When ``sim.initial=recipe`` and the recipe's devices differ from ``cluster.n_devices``.
+        ValueError: When ``sim.initial=recipe`` and the recipe's devices differ from ``cluster.n_devices``, or no
+            plan fits the cluster.
     """
     sim, trace = typed(cfg, "sim", SimConfig), typed(cfg, "trace", TraceConfig)
     cluster, policy = typed(cfg, "cluster", ClusterConfig), typed(cfg, "policy", PolicyConfig)
@@ -114,10 +121,7 @@ def prepare(cfg: DictConfig) -> tuple[Setup, tuple[Event, ...], float, SimConfig
     units = tp_units(range(cluster.n_devices), cfg.parallel.tp)
     n_micro = cfg.train.global_batch // cfg.train.micro_batch
     reference = reference_plan(planning, units, n_micro=n_micro, micro_batch_size=cfg.train.micro_batch, idle=sim.reference_idle)
-    if sim.initial == "planner":
-        plan = reference
-    else:
-        plan = _recipe_plan(cfg, sim, cluster)
+    plan = starting_plan(cfg, planning, units, n_micro=n_micro, initial=sim.initial)
     horizon_s = sim.horizon_h * 3600
     events = build_trace(trace, n_devices=cluster.n_devices, devices_per_node=cluster.devices_per_node, horizon_s=horizon_s)
     mtbf = nominal_mtbf_s(trace, n_devices=cluster.n_devices, devices_per_node=cluster.devices_per_node, events=events, horizon_s=horizon_s)
@@ -149,15 +153,20 @@ def reference_plan(planning: Planning, units, *, n_micro: int, micro_batch_size:
     return best
 
 
-def _recipe_plan(cfg: DictConfig, sim: SimConfig, cluster: ClusterConfig) -> Plan:
-    if sim.initial != "recipe":
-        raise ValueError(f"sim.initial={sim.initial!r}: use recipe or planner")
-    plan = build_plan(cfg)
-    if len(plan.devices) != cluster.n_devices:
-        raise ValueError(
-            f"the recipe's plan uses {len(plan.devices)} devices but cluster.n_devices={cluster.n_devices}: "
-            "set sim.initial=planner to plan the whole cluster, or match parallel.* to the cluster"
-        )
+def starting_plan(cfg: DictConfig, planning: Planning, units, *, n_micro: int, initial: str) -> Plan:
+    """The plan every policy starts from: the recipe's when ``initial`` is ``recipe``, else the planner's fastest even
+    plan on ``units`` (equal pipelines, as torchft and ReCycle replicate them).
+
+    Raises:
+        ValueError: When the recipe's plan does not use every device, or no even plan fits.
+    """
+    if initial == "recipe":
+        plan = build_plan(cfg)
+        _require_whole_cluster(plan, n_devices=cfg.cluster.n_devices)
+        return plan
+    plan = planning.best_even(units, n_micro=n_micro, micro_batch_size=cfg.train.micro_batch)
+    if plan is None:
+        raise ValueError(f"no even plan fits {len(units)} stage units: widen policy.pp_lengths / policy.dp_degrees or cluster.memory_gb")
     return plan
 
 
@@ -191,7 +200,9 @@ def _job(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out = Path(hydra_cfg.runtime.output_dir)
     text = write_outputs(results, events, out, overrides=list(hydra_cfg.overrides.task), plots=cfg.sim.plots)
-    print(f"{len(events)} trace events; outputs in {out}\n{text}")
+    faults = sum(e.kind == "remove" for e in events)
+    print(f"trace={hydra_cfg.runtime.choices.trace} ({describe(typed(cfg, 'trace', TraceConfig))}): {faults} faults and "
+          f"{len(events) - faults} re-joins within {cfg.sim.horizon_h:g} h; outputs in {out}\n{text}")
     print(json.dumps({r.policy: round(r.throughput, 4) for r in results}))
 
 

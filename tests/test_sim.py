@@ -7,18 +7,19 @@ import math
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from scipy.optimize import linear_sum_assignment
 
-from chameleon.config import CONF_DIR, register_configs
+from chameleon.config import CONF_DIR, build_plan, register_configs
 from chameleon.decision import estimator as est
 from chameleon.decision.planner import place
 from chameleon.layout.geometry import geometry_of
 from chameleon.sim.config import SimPolicy
-from chameleon.sim.engine import POLICY_CLASSES, simulate
+from chameleon.sim.engine import POLICY_CLASSES, make_policy, simulate
 from chameleon.sim.policies import Planning
 from chameleon.sim.traces import Event, oobleck_trace, poisson_trace, read_csv, write_csv
 from chameleon.simulate import prepare
@@ -27,12 +28,17 @@ from tests.conftest import ENV
 register_configs()
 BASE = ("+recipe=llama7b", "cluster=ascend910b_32", "sim.progress=false", "sim.plots=false")
 ALL = tuple(SimPolicy)
+OWN_LAYOUT = ("bamboo", "oobleck")  # lay the cluster out by their own rules: shadow stages, ≥ f+1 templates
+COMMON_START = tuple(p for p in ALL if p not in OWN_LAYOUT)
+
+
+def compose_sim(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name="config", overrides=[*BASE, *overrides])
 
 
 def setup_for(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=[*BASE, *overrides])
-    return prepare(cfg)
+    return prepare(compose_sim(*overrides))
 
 
 def run_all(*overrides: str, policies=ALL):
@@ -57,6 +63,40 @@ def test_no_fault_runs_at_each_policys_own_failure_free_throughput():
             assert res.throughput == pytest.approx(res.initial_throughput, rel=1e-9)
             assert res.breakdown["transition"] == 0 and res.breakdown["lost"] == pytest.approx(0, abs=1e-6)
     assert runs["bamboo"].initial_throughput < 0.9 * ref  # the redundant forward, before any fault
+    # One starting plan: without a fault, every policy but checkpoint-restart (its writes) trains alike.
+    for name in COMMON_START:
+        assert runs[name].initial_throughput / runs["chameleon"].initial_throughput == pytest.approx(1.0, rel=1e-12)
+        if name != "checkpoint":
+            assert runs[name].throughput / runs["chameleon"].throughput == pytest.approx(1.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("initial", ["planner", "recipe"])
+def test_every_policy_starts_from_one_plan(initial):
+    """The planner's fastest even plan on the whole cluster (the recipe's 4 × 8 with sim.initial=recipe), whose
+    pipelines every baseline can replicate; Bamboo and Oobleck lay out the same cluster by their own rules."""
+    cfg = compose_sim("trace=none", f"sim.initial={initial}")
+    setup = prepare(cfg)[0]
+    if initial == "recipe":
+        assert setup.plan == build_plan(cfg) and setup.plan.dp == 4
+    else:
+        assert setup.plan == setup.planning.best_even([(d,) for d in range(32)], n_micro=256, micro_batch_size=1)
+        assert setup.plan != setup.reference  # the reference may be uneven: no baseline could start from it
+    assert {name: make_policy(name, setup).start() for name in COMMON_START} == dict.fromkeys(COMMON_START, setup.plan)
+    assert set(make_policy("oobleck", setup).start().devices) == set(range(setup.n_devices))
+
+
+def test_the_bare_command_simulates_faults(tmp_path):
+    """``python -m chameleon.simulate`` as typed: the demonstration trace's faults hit every policy's plan within the
+    horizon, and the policies recover differently."""
+    proc = subprocess.run([sys.executable, "-m", "chameleon.simulate"], capture_output=True, text=True, timeout=120,
+                          env=ENV, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("trace=demo (each device fails every 24 h on average, back after 4 h): "), first
+    summary = json.loads((Path(first.split("outputs in ")[1]) / "summary.json").read_text())
+    faults = {r["policy"]: sum(x["kind"] == "fault" for x in r["recoveries"]) for r in summary["runs"]}
+    assert faults.keys() == set(ALL) and min(faults.values()) >= 1, faults
+    assert len({round(r["throughput"], 3) for r in summary["runs"]}) > 1
 
 
 @pytest.mark.full  # over 5 s: the full suite

@@ -126,7 +126,7 @@ def test_recycle_step_is_the_busiest_device_or_the_1f1b_step(dp, pp, m, expected
 
 
 def test_recycle_policy_reroutes_then_refills_on_rejoin():
-    healthy = pipelines(3, 2, 6)
+    healthy = dp_plan(6, 18, n_layers=2)  # the fastest even plan on 6 cards: (1 + 3 − 1)·6 = 18 s a step
     setup = toy_setup(healthy)
     policy = make_policy("recycle", setup)
     start = policy.start()
@@ -207,6 +207,14 @@ def test_torchft_drops_the_replica_and_heals_it():
     healed = policy.on_rejoin(response.plan, Rejoin(2.0, frozenset({2}), frozenset(), (1.0,), 1e9))
     # Healing builds the one sync group again (0.5 s); the toy's state moves at no cost.
     assert healed.choice == "heal" and healed.plan.global_batch == 8 and healed.pause_s == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("name", ["torchft", "recycle"])
+def test_replicating_baselines_refuse_unequal_pipelines(name):
+    uneven = Plan(n_layers=4, micro_batch_size=1, pipelines=(
+        Pipeline((Stage((0,), (0, 4)),), 4), Pipeline((Stage((1,), (0, 2)), Stage((2,), (2, 4))), 4)))
+    with pytest.raises(ValueError, match=f"sim.policies: {name} needs equal pipelines but the starting plan's differ"):
+        make_policy(name, toy_setup(uneven)).start()
 
 
 def test_checkpoint_restarts_on_the_best_even_plan_of_the_survivors():

@@ -32,7 +32,7 @@ class TraceKind(StrEnum):
 
 
 class Initial(StrEnum):
-    """``sim.initial``: the plan a simulation starts from, the recipe's or the planner's best."""
+    """``sim.initial``: the plan every policy starts from, the recipe's or the planner's fastest even plan."""
 
     recipe = "recipe"
     planner = "planner"
@@ -104,8 +104,10 @@ class ElasWaveConfig:
 class SimConfig:
     """What to simulate: horizon, policies and outputs.
 
-    ``initial=recipe`` starts from ``parallel.*`` (the recipe's plan);
-    ``initial=planner`` from the reference below (the planner's best plan, cards allowed to idle).
+    Every policy starts from one plan: with ``initial=planner`` the planner's fastest even
+    plan on the whole cluster (equal pipelines, as torchft and ReCycle replicate them), with
+    ``initial=recipe`` the plan of ``parallel.*``. Bamboo and Oobleck lay out the
+    cluster by their own rules (shadow stages; at least ``f+1`` templates).
     The failure-free reference of every ratio is the planner's best plan on the full
     cluster, cards allowed to idle: the best of its plans on ``n_devices − k`` cards,
     ``0 ≤ k ≤ reference_idle``.
@@ -113,7 +115,7 @@ class SimConfig:
 
     horizon_h: float = 24.0
     policies: list[SimPolicy] = field(default_factory=lambda: list(SimPolicy))
-    initial: Initial = Initial.recipe  # recipe | planner
+    initial: Initial = Initial.planner  # planner | recipe
     reference_idle: int = 16
     plots: bool = True
     progress: bool = True

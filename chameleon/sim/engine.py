@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
+from chameleon.layout.geometry import geometry_of, tp_units
 from chameleon.layout.plan import Plan
 from chameleon.report.progress import progress_bar
 from chameleon.sim import policies as pol
@@ -45,7 +46,7 @@ POLICY_CLASSES: dict[str, type[pol.Policy]] = {
 class Setup:
     """Everything a run needs besides the policy and the trace.
 
-    ``plan`` is the run's starting plan (the recipe's or the planner's); ``reference``
+    ``plan`` is every policy's starting plan (the recipe's or the planner's, one for all); ``reference``
     the planner's best failure-free plan on the full cluster, the denominator of
     every ratio; ``domains`` the device groups the trace fails together (None:
     devices fail alone), which Chameleon's selector weighs.
@@ -63,6 +64,11 @@ class Setup:
     @property
     def reference_throughput(self) -> float:
         return self.reference.global_batch / self.planning.t_step(self.reference)
+
+    @property
+    def units(self) -> list[tuple[int, ...]]:
+        """Every stage unit of the cluster at the starting plan's TP width, idle ones included."""
+        return tp_units(range(self.n_devices), geometry_of(self.plan).width)
 
 
 @dataclass

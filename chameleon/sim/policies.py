@@ -140,6 +140,16 @@ class Planning:
         return None if shape is None else refill(shape, units)
 
 
+def require_equal_pipelines(plan: Plan, name: str) -> Plan:
+    """``plan`` when its pipelines are alike (the same stages, layers and TP widths).
+
+    Raises:
+        ValueError: Naming policy ``name``, which replicates one pipeline, and the fix.
+    """
+    if len({tuple((st.layers, st.tp) for st in p.stages) for p in plan.pipelines}) > 1:
+        raise ValueError(f"sim.policies: {name} needs equal pipelines but the starting plan's differ: set sim.initial=planner, "
+                         f"give parallel.dp/pp instead of parallel.pipelines, or drop {name}")
+    return plan
 
 
 def rebuild_response(planning: Planning, old: Plan, new: Plan | None, choice: str, *, extra_s: float = 0.0) -> Response:
@@ -166,7 +176,7 @@ class Policy:
         self.planning: Planning = setup.planning
 
     def start(self) -> Plan:
-        """The failure-free plan this policy trains on."""
+        """The failure-free plan this policy trains on: the setup's starting plan, every policy's."""
         return self.setup.plan
 
     def t_step(self, plan: Plan) -> float:

@@ -170,6 +170,20 @@ def device_mtbf_h(cfg: TraceConfig) -> float:
     return cfg.incident_days * 24 * cfg.incident_devices / cfg.incidents
 
 
+def describe(cfg: TraceConfig) -> str:
+    """What ``cfg`` draws, in words: its fault rate or source and whether failed devices return."""
+    back = "never back" if cfg.repair_h is None else f"back after {cfg.repair_h:g} h"
+    if cfg.kind == "poisson":
+        nodes = "" if cfg.node_mtbf_h is None else f", each node every {cfg.node_mtbf_h:,g} h"
+        return f"each device fails every {device_mtbf_h(cfg):,.0f} h on average{nodes}, {back}"
+    if cfg.kind == "oobleck":
+        node = "a device" if cfg.node_size == 1 else f"a node of {cfg.node_size} devices"
+        return f"{node} removed every {cfg.interval_s:g} s, {cfg.n_removals} times, {back}"
+    if cfg.kind == "csv":
+        return f"the events of {cfg.path}"
+    return "no fault"
+
+
 def nominal_mtbf_s(cfg: TraceConfig, *, n_devices: int, devices_per_node: int, events: tuple[Event, ...], horizon_s: float) -> float:
     """The cluster's mean time between faults as an operator would configure it (Young/Daly input)."""
     if cfg.kind == "poisson":

@@ -69,8 +69,7 @@ class BambooPolicy(Policy):
         self.overloaded: set[int] = set()  # devices running two stages
 
     def start(self) -> Plan:
-        base, plan = self.setup.planning, self.setup.plan
-        units = geometry_of(plan).units(plan.devices)
+        base, plan, units = self.setup.planning, self.setup.plan, self.setup.units
         options = []
         for pp in base.planner.splits:
             dp = len(units) // pp

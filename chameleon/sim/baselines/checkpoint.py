@@ -34,9 +34,6 @@ class CheckpointPolicy(Policy):
 
     checkpoints = "blocking"
 
-    def start(self) -> Plan:
-        return self._even(self.setup.plan, set(self.setup.plan.devices)) or self.setup.plan
-
     def _even(self, plan: Plan, alive: set[int]) -> Plan | None:
         units = tp_units(alive, geometry_of(plan).width)
         return self.planning.best_even(units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)

@@ -188,7 +188,7 @@ class OobleckPolicy(Policy):
 
     def start(self) -> Plan:
         plan = self.setup.plan
-        nodes = sorted(geometry_of(plan).units(plan.devices))
+        nodes = sorted(self.setup.units)
         need = self.setup.sim.oobleck.fault_threshold + 1
         best = None
         for sizes in _partitions(len(nodes), sorted(self.templates)):

@@ -7,7 +7,7 @@ Decoupled BackProp), and lets each stage step its optimizer as soon as its own
 gradients are reduced (Staggered Optimizer); its planner precomputes the
 adapted schedules with an MILP. Modelled:
 
-- Layout: the fastest *even* plan (same-stage peers must hold the same layers).
+- Layout: the starting plan, whose pipelines must be alike (same-stage peers hold the same layers).
 - After a fault: the rerouted plan (:func:`chameleon.decision.selector.reroute_plan`),
   micro-batch ``i`` of the lost stage on host ``i mod |hosts|``, feasible while
   every lost stage has a live peer and the hosts' extra activations fit
@@ -41,7 +41,9 @@ from chameleon.decision.selector import reroute_plan
 from chameleon.decision.profiler import Profile
 from chameleon.layout.geometry import geometry_of, tp_units
 from chameleon.layout.plan import Plan, PlanError
-from chameleon.sim.policies import Fault, Planning, Policy, Rejoin, Response, rebuild_response, refill_rerouted
+from chameleon.sim.policies import (
+    Fault, Planning, Policy, Rejoin, Response, rebuild_response, refill_rerouted, require_equal_pipelines,
+)
 
 
 def device_work(profile: Profile, plan: Plan) -> dict[tuple[int, int], float]:
@@ -85,12 +87,8 @@ class RecyclePolicy(Policy):
         self.healthy: Plan | None = None  # the plan before any reroute
 
     def start(self) -> Plan:
-        plan = self.setup.plan
-        even = self.planning.best_even(geometry_of(plan).units(plan.devices), n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
-        if even is None:
-            raise ValueError("sim.policies: recycle needs an even plan (equal pipelines) that fits the cluster")
-        self.healthy = even
-        return even
+        self.healthy = require_equal_pipelines(self.setup.plan, self.name)
+        return self.healthy
 
     def t_step(self, plan: Plan) -> float:
         return recycle_step(self.planning, plan, self.healthy) if plan.reroutes else self.planning.t_step(plan)

@@ -2,8 +2,8 @@
 
 Modelled:
 
-- Replica groups are the pipelines of the fastest *even* plan (every group must
-  shard the model the same way: torchft wraps DDP/HSDP across groups).
+- Replica groups are the pipelines of the starting plan, which must be even
+  (every group shards the model the same way: torchft wraps DDP/HSDP across groups).
 - A fault in a group removes the whole group (torchft's failure domain); its
   samples are dropped, so the global batch shrinks (``Manager.allreduce``
   averages over the participants).
@@ -22,9 +22,8 @@ below the collective timeout), LocalSGD/DiLoCo modes, and spare groups.
 from __future__ import annotations
 
 from chameleon.decision import estimator as est
-from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Pipeline, Plan
-from chameleon.sim.policies import Fault, Policy, Rejoin, Response, rebuild_response
+from chameleon.sim.policies import Fault, Policy, Rejoin, Response, rebuild_response, require_equal_pipelines
 
 
 class TorchftPolicy(Policy):
@@ -35,11 +34,7 @@ class TorchftPolicy(Policy):
         self.dropped: list[Pipeline] = []
 
     def start(self) -> Plan:
-        plan = self.setup.plan
-        even = self.planning.best_even(geometry_of(plan).units(plan.devices), n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
-        if even is None:
-            raise ValueError("sim.policies: torchft needs an even plan (equal pipelines) that fits the cluster")
-        return even
+        return require_equal_pipelines(self.setup.plan, self.name)
 
     def on_fault(self, plan: Plan, fault: Fault) -> Response:
         kept = tuple(p for p in plan.pipelines if not fault.failed & set(p.devices))
