@@ -9,6 +9,7 @@ agent, and writes nothing locally. The last line node 0 prints is the path of
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -84,6 +85,10 @@ def _job(cfg: DictConfig) -> None:
 
         export_hf(torch.load(run_dir / "final_params.pt", weights_only=True), model_config(cfg), run_dir / "hf")
     print(summary, flush=True)
+    result = json.loads(summary.read_text())
+    print(f"chameleon: effective training time {result['ettr']:.1%} of {result['wall_s']:.1f} s ("
+          + ", ".join(f"{k} {v:.2f} s" for k, v in result["time_breakdown_s"].items() if v > 0) + ")",
+          file=sys.stderr, flush=True)
 
 
 def _ending(err: BaseException) -> str:

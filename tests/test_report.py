@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from chameleon.report.breakdown import TIME_PARTS, ettr, split_wall
 from chameleon.report.run_plots import episodes, plot_run, throughput
 
 T0 = 1000.0
@@ -93,3 +94,18 @@ def test_wandb_mirror_runs_offline_without_a_key(tmp_path, monkeypatch):
     mirror.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0  # what `wandb sync` would upload
+
+
+def test_every_second_of_a_run_is_in_one_part():
+    """Commits at 3, 4, 6 (steps 0–2), a fault at 6.5 and a reload that redoes steps 1 and 2, a validation at the
+    end: the earlier commits of steps 1 and 2 and the broken step are redone, each second counted once."""
+    spans = [("redone", 6.0, 6.5), ("detection", 6.5, 7.0), ("decision", 7.0, 7.5), ("restore", 7.5, 8.0),
+             ("evaluation", 6.0, 8.5),  # retaken after the recovery: only what the recovery did not claim
+             ("evaluation", 11.0, 12.0)]
+    parts = split_wall(t0=0.0, t_train=2.0, t_end=20.0, commits=[(0, 3.0), (1, 4.0), (2, 6.0), (1, 9.0), (2, 10.0),
+                                                                (3, 11.0)], spans=spans, step_s=0.8)
+    assert list(parts) == list(TIME_PARTS) and sum(parts.values()) == pytest.approx(20.0)
+    assert parts == pytest.approx({"productive": 3 * 0.8 + 0.5, "degraded": 3 * 0.2, "detection": 0.5, "decision": 0.5,
+                                   "restore": 0.5, "redone": 3.5, "checkpoint": 0.0, "evaluation": 1.5,
+                                   "startup": 2.0, "shutdown": 8.0})
+    assert ettr(parts) == pytest.approx(2.9 / 20)

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from chameleon.config import CONF_DIR, register_configs
 from chameleon.model.config import ModelConfig
 from chameleon.model.llama import LLAMA
+from chameleon.report.breakdown import TIME_PARTS
 from chameleon.report.compare import relative_difference
 from conftest import ENV, SMALL_RUN, TP_PARAMS, assert_same_clipping, run_entry
 
@@ -50,6 +51,16 @@ def test_layout_reproduces_single_process(tmp_path, reference_run, layout):
     assert run.stdout.strip().splitlines()[-1] == str(run.run_dir / "summary.json")
     # one global norm over every pipeline, stage and TP shard, clipped at every step, as in one process
     assert_same_clipping(run, reference_run, clip_norm=0.5)
+    summary, (recovery,) = run.summary, run.summary["recoveries"]
+    parts = summary["time_breakdown_s"]  # every second of the run in one part
+    assert list(parts) == list(TIME_PARTS) and sum(parts.values()) == pytest.approx(summary["wall_s"], rel=1e-9)
+    assert summary["ettr"] == pytest.approx(parts["productive"] / summary["wall_s"]) and 0 < summary["ettr"] < 1
+    for part, key in (("detection", "detect_s"), ("decision", "decide_s"), ("restore", "restore_s")):
+        assert parts[part] == pytest.approx(recovery[key], abs=1e-6), part
+    assert parts["redone"] > 0 and parts["startup"] == pytest.approx(summary["startup_s"])
+    assert recovery["steady_step_s"] > 0, "the estimate is compared with the steady steps after the recovery"
+    assert f"steady step {recovery['steady_step_s']:.3f} s vs" in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("chameleon: effective training time ")
 
 
 @pytest.mark.full

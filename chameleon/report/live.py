@@ -62,6 +62,7 @@ class Mirror:
         self.sink = sink
         self.metrics = _Tail(Path(run_dir) / "metrics.jsonl")
         self.events = _Tail(Path(run_dir) / "events.jsonl")
+        self.summary = Path(run_dir) / "summary.json"
         self.recoveries = 0
 
     def sync(self) -> None:
@@ -83,7 +84,11 @@ class Mirror:
         self.sink.flush()
 
     def close(self) -> None:
+        """The last records, and the run's effective-training-time ratio once ``summary.json`` is written."""
         self.sync()
+        if self.summary.exists():
+            summary = json.loads(self.summary.read_text())
+            self.sink.add_scalar("run/ettr", summary["ettr"], global_step=summary["first_step"] + summary["steps_completed"])
         self.sink.close()
 
 

@@ -126,7 +126,9 @@ def plot_run(run_dir: Path, path: Path | None = None) -> Path | None:
     ax_rate.set_xlabel("seconds since the first step started")
     ax_rate.set_ylabel("samples/s")
     ax_rate.set_ylim(bottom=0)
-    ax_rate.set_title("throughput; shaded: from each fault to the first step committed after it", fontsize=9)
+    summary = run_dir / "summary.json"
+    ettr = f"effective training time {json.loads(summary.read_text())['ettr']:.1%}; " if summary.exists() else ""
+    ax_rate.set_title(f"{ettr}throughput; shaded: from each fault to the first step committed after it", fontsize=9)
     fig.tight_layout()
     out = Path(path) if path else run_dir / PLOT
     fig.savefig(out, dpi=90)

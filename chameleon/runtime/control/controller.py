@@ -159,12 +159,13 @@ class Controller:
                             f"continue with ckpt.resume={self.ckpt_root}")
         if self.config.output.save_params:
             self._merge_params()
-        core = self.core
+        core, t_end = self.core, time.time()
+        parts = self.recorder.time_breakdown(t0=core.t0, t_train=core.t_train, t_end=t_end, spans=core.spans)
         return self.recorder.summary(
             recoveries=[r.record() for r in core.recoveries], growths=[g.record() for g in core.growths],
             reshapes=[r.record() for r in core.reshapes],
             plan=core.resident.describe(), generations=core.generation + 1, world_size=core.world,
-            nnodes=self.config.launcher.nnodes, wall_s=time.time() - core.t0,
+            nnodes=self.config.launcher.nnodes, wall_s=t_end - core.t0, time_breakdown=parts,
             startup_s=(core.t_train - core.t0) if core.t_train else None, store_ops=core.store_ops,
             peak_rss=core.peak_rss, memory_estimate=self._memory_estimate(core.resident),
         )

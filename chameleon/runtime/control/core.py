@@ -44,6 +44,7 @@ from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Plan
 from chameleon.layout.relayout import Manifest, manifest_parts
 from chameleon.optim import learning_rate, schedule_of
+from chameleon.report.breakdown import Span
 from chameleon.runtime.control.detector import Detector, stall
 from chameleon.runtime.control.ledger import CheckpointComplete, CommitStep, Evaluation, Ledger
 from chameleon.runtime.control.membership import Lifecycle, Membership
@@ -87,6 +88,7 @@ from chameleon.runtime.protocol.topology import Topology
 
 GROW_SETTLE_S = 0.5  # wait for more returning devices this long after the last one
 STEADY_AFTER = 2  # a generation's first steps (restore, warm-up) are left out of its plan's measured step time
+PACE_STEPS = 3  # a recovery's estimate is compared with the median of this many steady steps after it
 PROBE_WAIT_S = 1.0  # the watchdog decides with the answers it has by then
 LEASE_CHECK_S = 0.05  # leases are checked this often (a lapse is seen at most this late)
 NODE_LOCAL_KEYS = ("launcher.node_rank", "launcher.node_addr", "output", "report")  # may differ between nodes
@@ -272,6 +274,7 @@ class Recovery:
     manifest_rounds: int = 0
     estimated_step_s: float = 0.0
     first_step_s: float | None = 0.0  # None: no step followed (a fault in the last validation)
+    steady_step_s: float | None = None  # the median of the first steady steps after it (warm-up left out)
 
     def record(self) -> dict:
         return {
@@ -282,7 +285,7 @@ class Recovery:
             "restore_s": self.t_started - self.t_decided, "redo_s": self.t_first_commit - self.t_started,
             "total_s": self.t_first_commit - self.t_fault, "manifest_bytes": self.manifest_bytes,
             "manifest_rounds": self.manifest_rounds, "first_step_s": self.first_step_s,
-            "estimated_step_s": self.estimated_step_s, "d_s": self.decision.d_s,
+            "estimated_step_s": self.estimated_step_s, "steady_step_s": self.steady_step_s, "d_s": self.decision.d_s,
         }
 
 
@@ -435,6 +438,7 @@ class Core:
         self.recoveries: list[Recovery] = []
         self.growths: list[Growth] = []
         self.pending: Recovery | None = None
+        self.pacing: tuple[Recovery, list[float]] | None = None  # a recovery closed, its steady steps being timed
         self.growing: Growth | None = None
         self.fault_times: list[float] = []
         self.dying: dict[int, Dying] = {}
@@ -460,6 +464,8 @@ class Core:
         self.reshape_after = 0  # no decision on slow devices before this step: the last one stands its cost's worth
         self.reshapes: list[Reshape] = []
         self.reshaped: Reshape | None = None  # a switch for slow devices, until its first commit
+        self.spans: list[Span] = []  # the run's time that was not training (report.breakdown)
+        self.last_commit_wall: float | None = None
         self.out: list[object] = []
 
     def _cost_model(self, *, devices_per_host: int) -> None:
@@ -780,6 +786,7 @@ class Core:
                                 f"{samples}; nothing after step {c.step - 1} is committed: lower train.lr, or check "
                                 "those samples")
         self.replaying = c
+        self.spans.append(("redone", self._step_start(), self.clock.wall()))
         self._say(f"chameleon: step {c.step} is not finite ({what}): not committed; replaying it ({samples})")
         self._emit(Broadcast(Commit(self.generation, c.step, CommitOrder(replay=True), None, self.clock.wall())))
         self.last_progress = self.clock.mono()
@@ -811,6 +818,7 @@ class Core:
         elif not self.ledger.finished and (reshaped := self._ripe_reshape()) is not None:
             order = CommitOrder(switch_to=self._switch_reshape(reshaped))
         now = self.clock.wall()
+        self.last_commit_wall = now
         self._emit(Broadcast(Commit(committed_in, c.step, order, c.grad_norm, now)))
         now_m = self.clock.mono()
         dt = now_m - self.last_commit  # the whole step: compute, sync, commit, the previous optimizer step
@@ -819,6 +827,10 @@ class Core:
         if steady:
             self.resident_times.append(dt)
             self._judge_speeds(c)
+            if self.pacing is not None:
+                self.pacing[1].append(dt)
+        if self.pacing is not None and (len(self.pacing[1]) >= PACE_STEPS or self.ledger.finished):
+            self._say_pace()
         self.commit_times[c.step] = now
         self._emit(Committed(c.step, c.loss, c.samples, dt, c.compute_s, c.grad_norm,
                              learning_rate(c.step, **schedule_of(self.train)), committed_in, now, now - c.t_synced,
@@ -834,6 +846,7 @@ class Core:
 
     def _validated(self, evaluation: Evaluation) -> None:
         now = self.clock.wall()
+        self.spans.append(("evaluation", self._step_start(), now))
         self.val_losses[evaluation.step] = evaluation.loss
         self._emit(Validated(evaluation.step, evaluation.loss, self.generation, now))
         if self.pending is not None and self.ledger.finished:  # a fault in the last validation: it is redone
@@ -872,9 +885,23 @@ class Core:
         rec, self.pending = self.pending, None
         rec.t_first_commit, rec.first_step_s = now, step_s
         self.recoveries.append(rec)
+        self.spans += [("detection", rec.t_fault, rec.t_detect), ("decision", rec.t_detect, rec.t_decided),
+                       ("restore", rec.t_decided, rec.t_started)]
         self._record(event="recovered", generation=self.generation, time=now, **rec.record())
-        pace = (f"step {step_s:.3f} s vs {rec.estimated_step_s:.3f} s estimated" if step_s is not None
-                else "the last validation redone")
+        self.pacing = rec, []
+        if step_s is None or self.ledger.finished:
+            self._say_pace()
+
+    def _say_pace(self) -> None:
+        """The recovery line, once the steady step after it is known (or nothing more will be): the estimate is
+        compared with the median of the steady steps after warm-up, not with the first (restore, warm-up)."""
+        (rec, times), self.pacing = self.pacing, None
+        if times:
+            rec.steady_step_s = sorted(times)[len(times) // 2]
+            pace = f"steady step {rec.steady_step_s:.3f} s vs {rec.estimated_step_s:.3f} s estimated"
+        else:
+            pace = ("the last validation redone" if rec.first_step_s is None
+                    else f"no steady step followed; estimated {rec.estimated_step_s:.3f} s")
         self._say(
             f"chameleon: recovered from the loss of {rec.failed} by {rec.decision.choice} in "
             f"{rec.t_first_commit - rec.t_fault:.3f} s (detect {rec.t_detect - rec.t_fault:.3f}, decide "
@@ -913,8 +940,11 @@ class Core:
                 positions: dict) -> None:
         """Decide how to go on from the resident plan without ``devices`` (none: the same members, anew), resuming
         at ``step``, and publish the next generation."""
+        if self.pacing is not None:
+            self._say_pace()  # a new fault: the last one's pace is what it was
         if self.pending is None:
             self.pending = Recovery(sorted(devices), cause, step, t_fault, t_detect, source, positions)
+            self.spans.append(("redone", self._step_start(), t_fault))  # the step the fault broke
         else:
             self.pending.failed = sorted(set(self.pending.failed) | devices)
             self.pending.cause += f"; then {cause} during recovery"
@@ -955,6 +985,10 @@ class Core:
         self._publish(transition.plan, members=transition.members, resume_step=transition.resume_step,
                       manifest=transition.manifest, checkpoint=transition.checkpoint)
         rec.t_published = self.clock.wall()
+
+    def _step_start(self) -> float:
+        """When the step under way started: the last commit, or the first step."""
+        return self.last_commit_wall or self.t_train or self.clock.wall()
 
     def _likely_losses(self) -> set[int]:
         """How many stage units of the resident plan the likely next faults take: one device's, and those of
@@ -1102,6 +1136,7 @@ class Core:
         g, self.growing = self.growing, None
         g.t_first_commit = now
         self.growths.append(g)
+        self.spans.append(("restore", g.t_switch, g.t_started))
         self._record(event="grown", generation=self.generation, time=now, **g.record())
         self._say(f"chameleon: grew onto devices {g.devices} in {g.t_first_commit - g.t_back:.3f} s after they came back "
                   f"(decide {g.t_decided - g.t_back:.3f}, wait for a step boundary {g.t_switch - g.t_decided:.3f}, "
@@ -1180,6 +1215,7 @@ class Core:
         r, self.reshaped = self.reshaped, None
         r.t_first_commit, r.first_step_s = now, step_s
         self.reshapes.append(r)
+        self.spans.append(("restore", r.t_switch, r.t_started))
         self._record(event="reshaped", generation=self.generation, time=now, **r.record())
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ stderr, and at the end ``summary.json``.
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from tqdm import tqdm
 
 from chameleon.config import Config
 from chameleon.data.stream import sample_ids_digest
+from chameleon.report.breakdown import Span, ettr, split_wall
 from chameleon.report.outputs import JsonLines, write_json
 from chameleon.report.progress import progress_bar
 from chameleon.runtime.control.core import Committed, Record, Say, Validated
@@ -35,6 +37,7 @@ class Recorder:
         self.step_times: dict[int, float] = {}
         self.samples: dict[int, tuple[int, int]] = {}
         self.val_losses: dict[int, float] = {}
+        self.commits: list[Committed] = []  # every commit in order, a step committed again after a reload too
         self.generation = 0
 
     def write(self, effect: object) -> None:
@@ -67,6 +70,7 @@ class Recorder:
     def _committed(self, c: Committed) -> None:
         batch, seq_len = self.config.train.global_batch, self.config.train.seq_len
         self.losses[c.step], self.step_times[c.step], self.samples[c.step] = c.loss, c.step_time_s, c.samples
+        self.commits.append(c)
         self.metrics.write({
             "step": c.step, "loss": c.loss, "samples_per_s": batch / c.step_time_s,
             "tokens_per_s": batch * seq_len / c.step_time_s, "step_time_s": c.step_time_s, "compute_s": c.compute_s,
@@ -83,9 +87,29 @@ class Recorder:
             shown["val"] = f"{self.val_losses[max(self.val_losses)]:.4f}"
         self.bar.set_postfix(shown | {"gen": self.generation})
 
-    def summary(self, *, recoveries: list[dict], growths: list[dict], reshapes: list[dict], plan: str, generations: int, world_size: int,
-                nnodes: int, wall_s: float, startup_s: float | None, store_ops: dict[int, int],
-                peak_rss: dict[int, int], memory_estimate: dict[int, float]) -> Path:
+    def best_step_s(self) -> float:
+        """The best full plan's step time: the median steady step of the first plan (its first two steps and
+        those after a validation left out), else of any plan that ran that long, else of every step."""
+        steady: dict[int, list[float]] = {}
+        starts: dict[int, int] = {}
+        for c in self.commits:
+            first = starts.setdefault(c.generation, c.step)
+            if c.step >= first + 2 and c.val_loss is None:
+                steady.setdefault(c.generation, []).append(c.step_time_s)
+        medians = [statistics.median(ts) for ts in steady.values() if len(ts) >= 3]
+        first_plan = steady.get(self.commits[0].generation, [])
+        if len(first_plan) >= 3:
+            return statistics.median(first_plan)
+        return min(medians) if medians else statistics.median(c.step_time_s for c in self.commits)
+
+    def time_breakdown(self, *, t0: float, t_train: float | None, t_end: float, spans: list[Span]) -> dict[str, float]:
+        """The run's wall time in :data:`~chameleon.report.breakdown.TIME_PARTS` (:func:`split_wall`)."""
+        return split_wall(t0=t0, t_train=t_train, t_end=t_end, commits=[(c.step, c.time) for c in self.commits],
+                          spans=spans, step_s=self.best_step_s())
+
+    def summary(self, *, recoveries: list[dict], growths: list[dict], reshapes: list[dict], plan: str, generations: int,
+                world_size: int, nnodes: int, wall_s: float, startup_s: float | None, time_breakdown: dict[str, float],
+                store_ops: dict[int, int], peak_rss: dict[int, int], memory_estimate: dict[int, float]) -> Path:
         """Write ``summary.json`` (every step must have committed); return its path.
 
         Raises:
@@ -122,6 +146,8 @@ class Recorder:
             "sample_ids_digest": sample_ids_digest([list(range(*self.samples[s])) for s in steps]),
             "wall_s": wall_s,
             "startup_s": startup_s,
+            "time_breakdown_s": time_breakdown,  # wall_s, every second in one part (chameleon.report.breakdown)
+            "ettr": ettr(time_breakdown),  # effective training time: productive ÷ wall
             "store_ops": {str(d): n for d, n in sorted(store_ops.items())},  # each worker's, all process-group rendezvous
             "peak_rss_mb": {str(d): n / 2**20 for d, n in sorted(peak_rss.items())},  # each worker's resident peak
             # the memory model's (Eq. 14) for each device of the final plan: state and activations, no runtime
