@@ -359,6 +359,11 @@ def validate(cfg: DictConfig) -> Plan:
         )
         check(par.pp <= model.n_layers, f"parallel.pp={par.pp} exceeds model.n_layers={model.n_layers}: use at most one stage per layer")
     plan = build_plan(cfg)
+    for j, pipe in enumerate(plan.pipelines):
+        width = pipe.stages[0].tp
+        check(model.n_kv_heads % width == 0 and model.n_heads % width == 0,
+              f"parallel.pipelines[{j}].tp={width} does not divide model.n_heads={model.n_heads} and "
+              f"model.n_kv_heads={model.n_kv_heads}: pick a tp that divides both")
     check(
         len(plan.devices) == n_devices,
         f"parallel.pipelines use {len(plan.devices)} devices but {_world_text(launcher)}: "

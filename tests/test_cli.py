@@ -200,3 +200,11 @@ def test_a_slow_fault_with_nonsense_values_is_refused_in_one_line():
     assert "failure.rank=7 is not a worker (0..3)" in refusal("train", "failure=slow", "failure.rank=7")
     assert "ft.slow='sometimes': use on, off" in refusal("train", "ft.slow=sometimes")
     assert "ft.slow_ratio=0.9" in refusal("train", "ft.slow_ratio=0.9")
+
+
+def test_a_pipeline_of_its_own_tp_size_must_divide_the_heads():
+    CHECKS["train"](cli.compose_command_line(["launcher.nproc_per_node=3", "parallel.pipelines=[{layers:[4],"
+                                              "micro_batches:2,tp:2},{layers:[4],micro_batches:2}]"]))  # accepted
+    assert "parallel.pipelines[0].tp=3 does not divide model.n_heads=4 and model.n_kv_heads=2" in refusal(
+        "train", "launcher.nproc_per_node=4", "parallel.pipelines=[{layers:[4],micro_batches:2,tp:3},"
+        "{layers:[4],micro_batches:2}]")

@@ -3,6 +3,7 @@ device lacks; the survivors' units; the lines naming what is lost; the byte tabl
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from functools import partial
@@ -20,6 +21,7 @@ from chameleon.layout.geometry import (
     UnitParams,
     geometry_of,
     state_bytes,
+    sync_rounds,
     tp_units,
 )
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage, even_plan, plan_from_spec
@@ -28,6 +30,7 @@ from chameleon.layout.spec import contains, device_holdings, placements_for, reg
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
 
+LLAMA_CFG_4 = ModelConfig(dim=16, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=20, multiple_of=8)
 LLAMA_CFG = ModelConfig(dim=16, n_layers=6, n_heads=4, n_kv_heads=4, vocab_size=20, multiple_of=8)
 GPT_CFG = ModelConfig(arch="gpt", dim=16, n_layers=6, n_heads=4, n_kv_heads=4, vocab_size=20, multiple_of=8)
 CONFIGS = {"llama": LLAMA_CFG, "gpt": GPT_CFG}
@@ -45,10 +48,18 @@ def unit_names(cfg: ModelConfig) -> dict[int, list[str]]:
 
 
 def brute_holders(lay) -> dict[tuple[str, tuple], set[int]]:
-    """Every distinct non-empty shard region of every tensor, with the devices whose region contains it."""
+    """Every atom of every tensor — a cell of the grid that all its holders' region boundaries cut it into, inside
+    some region — with the devices whose region contains it."""
     holdings = device_holdings(lay)
-    regions = {(n, r) for held in holdings.values() for n, r in held.items() if region_numel(r)}
-    return {(n, r): {d for d, held in holdings.items() if n in held and contains(held[n], r)} for n, r in regions}
+    out = {}
+    for name, spec in lay.items():
+        regions = [held[name] for held in holdings.values() if name in held and region_numel(held[name])]
+        cuts = [sorted({x for r in regions for x in r[dim]}) for dim in range(len(spec.shape))]
+        for cell in itertools.product(*(list(zip(c, c[1:])) for c in cuts)):
+            holders = {d for d, held in holdings.items() if name in held and contains(held[name], cell)}
+            if holders:
+                out[(name, cell)] = holders
+    return out
 
 
 def geometry_holders(cfg: ModelConfig, g: Geometry, lay) -> dict[tuple[str, tuple], set[Part]]:
@@ -65,8 +76,16 @@ def geometry_holders(cfg: ModelConfig, g: Geometry, lay) -> dict[tuple[str, tupl
 
 
 def random_plan(rng: random.Random, n_layers: int) -> Plan:
-    """An even plan (sometimes rerouted), an uneven one, or one pipeline whose stages differ in TP size."""
-    kind, tp = rng.choice(["even", "uneven", "mixed"]), rng.choice([1, 2, 4])
+    """An even plan (sometimes rerouted), an uneven one, one pipeline whose stages differ in TP size, or replicas
+    each of its own TP size (uneven too)."""
+    kind, tp = rng.choice(["even", "uneven", "mixed", "replicas"]), rng.choice([1, 2, 4])
+    if kind == "replicas":
+        specs = []
+        for _ in range(rng.randint(2, 3)):
+            cuts = sorted(rng.sample(range(1, n_layers), rng.randint(0, 2)))
+            specs.append({"layers": [b - a for a, b in zip([0] + cuts, cuts + [n_layers])], "micro_batches": 2,
+                          "tp": rng.choice([1, 2, 4])})
+        return plan_from_spec(specs, tp=1, n_layers=n_layers, global_batch=2 * len(specs), micro_batch=1)
     if kind == "mixed":
         cuts = sorted(rng.sample(range(1, n_layers), rng.randint(0, 3)))
         bounds = list(zip([0] + cuts, cuts + [n_layers]))
@@ -196,7 +215,7 @@ def test_buckets_rounds_and_elements():
     assert [b.units for b in g.buckets] == [(-1, 0), (1,), (2,), (3, 4)]
     assert len(g.rounds) == 2  # {1} shares pipeline 0's stage 0 with {-1, 0} and pipeline 1's stage 1 with {2}
     params = UnitParams(layer=10, first=7, last=5)
-    assert g.elems(0, params) == 7 + 10 / 2 and g.elems(3, params) == 10 / 2 + 5
+    assert g.sync_size(0, params) == (2, 7 + 10 / 2) and g.sync_size(3, params) == (2, 10 / 2 + 5)
 
 
 def test_state_bytes_are_what_the_runtime_keeps():
@@ -219,8 +238,16 @@ def test_state_bytes_are_what_the_runtime_keeps():
         assert table.moved == sum(kept.values())  # what a transfer carries: every kind
 
 
-def test_mixed_tp_holders_are_refused_with_the_units_named():
+def test_replicas_of_different_tp_sizes_sync_in_fine_shards():
+    """tp2 and tp1 replicas of one model: one bucket of 2 fine shards; shard 1 lives while device 1 or device 2 does;
+    the sync is one all-reduce of the whole tensors over all three devices, device 1 zeroing the copies it keeps whole."""
     plan = Plan(n_layers=4, micro_batch_size=1, pipelines=(Pipeline((Stage((0, 1), (0, 4)),), 1),
                                                            Pipeline((Stage((2,), (0, 4)),), 1)))
-    with pytest.raises(ValueError, match="the embedding, layers 0–3 and the head have TP sizes \\[1, 2\\]"):
-        Geometry(plan)
+    g = Geometry(plan)
+    (bucket,) = g.buckets
+    assert bucket.mixed and bucket.tp == 2 and [g.holders(Part(0, t)) for t in (0, 1)] == [(0, 2), (1, 2)]
+    assert g.lost({1}) == () and g.lost({1, 2}) == (Part(0, 1),) and g.exposure(None) == 0.0
+    assert g.describe(g.lost({1, 2})) == "layers 0–3 (TP shard 1 of 2)"
+    assert g.sync_size(0, UnitParams(layer=10, first=7, last=5)) == (3, 7 + 4 * 10 + 5)
+    ((sync,),) = sync_rounds(g, layout(LLAMA_CFG_4, plan))
+    assert sync.devices == (0, 1, 2) and sync.zeroed == (1,) and len(sync.shapes) == len(sync.names)

@@ -35,8 +35,9 @@ TOLERANCE = 1e-5  # relative, fp32: only floating-point reassociation differs be
         ("launcher.nproc_per_node=4", "parallel.dp=1", "parallel.pp=2", "parallel.tp=2"),
         ("launcher.nproc_per_node=7", "parallel.pipelines=[{layers:[1,2,1],micro_batches:2},{layers:[1,1,1,1],micro_batches:2}]"),
         ("launcher.nproc_per_node=5", "parallel.pipelines=[{layers:[2,2],micro_batches:1},{layers:[1,1,2],micro_batches:3}]"),
+        ("launcher.nproc_per_node=5", "parallel.pipelines=[{layers:[2,2],micro_batches:2,tp:2},{layers:[4],micro_batches:2}]"),
     ],
-    ids=["dp2", "dp4", "dp2xpp2", "pp4", "dp2xtp2", "pp2xtp2", "uneven3+4", "uneven2+3"],
+    ids=["dp2", "dp4", "dp2xpp2", "pp4", "dp2xtp2", "pp2xtp2", "uneven3+4", "uneven2+3", "tp2+tp1"],
 )
 def test_layout_reproduces_single_process(tmp_path, reference_run, layout):
     run = run_entry("train", tmp_path / "run", *SMALL_RUN, *layout)
@@ -45,22 +46,12 @@ def test_layout_reproduces_single_process(tmp_path, reference_run, layout):
     assert got["steps_completed"] == ref["steps_completed"] == 6
     for a, b in zip(got["losses"], ref["losses"], strict=True):
         assert abs(a - b) <= TOLERANCE * abs(b)
-    tolerance = TP_PARAMS.param_tolerance if "parallel.tp=2" in layout else TOLERANCE
+    tolerance = TP_PARAMS.param_tolerance if "tp" in " ".join(layout) else TOLERANCE
     assert relative_difference(run.params, reference_run.params) <= tolerance
     assert got["sample_ids_digest"] == ref["sample_ids_digest"]
     assert run.stdout.strip().splitlines()[-1] == str(run.run_dir / "summary.json")
     # one global norm over every pipeline, stage and TP shard, clipped at every step, as in one process
     assert_same_clipping(run, reference_run, clip_norm=0.5)
-    summary, (recovery,) = run.summary, run.summary["recoveries"]
-    parts = summary["time_breakdown_s"]  # every second of the run in one part
-    assert list(parts) == list(TIME_PARTS) and sum(parts.values()) == pytest.approx(summary["wall_s"], rel=1e-9)
-    assert summary["ettr"] == pytest.approx(parts["productive"] / summary["wall_s"]) and 0 < summary["ettr"] < 1
-    for part, key in (("detection", "detect_s"), ("decision", "decide_s"), ("restore", "restore_s")):
-        assert parts[part] == pytest.approx(recovery[key], abs=1e-6), part
-    assert parts["redone"] > 0 and parts["startup"] == pytest.approx(summary["startup_s"])
-    assert recovery["steady_step_s"] > 0, "the estimate is compared with the steady steps after the recovery"
-    assert f"steady step {recovery['steady_step_s']:.3f} s vs" in run.stderr
-    assert run.stderr.strip().splitlines()[-1].startswith("chameleon: effective training time ")
 
 
 @pytest.mark.full
@@ -78,6 +69,16 @@ def test_clipping_is_exact_while_a_stage_is_rerouted(tmp_path, reference_run):
         assert abs(a - b) <= TOLERANCE * abs(b)
     assert relative_difference(run.params, reference_run.params) <= TOLERANCE
     assert_same_clipping(run, reference_run, clip_norm=0.5)
+    summary, (recovery,) = run.summary, run.summary["recoveries"]
+    parts = summary["time_breakdown_s"]  # every second of the run in one part
+    assert list(parts) == list(TIME_PARTS) and sum(parts.values()) == pytest.approx(summary["wall_s"], rel=1e-9)
+    assert summary["ettr"] == pytest.approx(parts["productive"] / summary["wall_s"]) and 0 < summary["ettr"] < 1
+    for part, key in (("detection", "detect_s"), ("decision", "decide_s"), ("restore", "restore_s")):
+        assert parts[part] == pytest.approx(recovery[key], abs=1e-6), part
+    assert parts["redone"] > 0 and parts["startup"] == pytest.approx(summary["startup_s"])
+    assert recovery["steady_step_s"] > 0, "the estimate is compared with the steady steps after the recovery"
+    assert f"steady step {recovery['steady_step_s']:.3f} s vs" in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("chameleon: effective training time ")
 
 
 @pytest.mark.full

@@ -55,20 +55,23 @@ class StepEstimate:
     shared_compute: float = 0.0
 
 
-def stage_cost(profile: Profile, n_layers: int, *, first: bool, last: bool) -> tuple[float, float]:
-    """Forward and backward seconds per micro-batch of a stage, including its p2p sends."""
+def stage_cost(profile: Profile, n_layers: int, *, first: bool, last: bool, tp: int = 0) -> tuple[float, float]:
+    """Forward and backward seconds per micro-batch of a stage, including its p2p sends; its layers at TP size
+    ``tp`` (0: the profile's) take ``profile.tp / tp`` times the profile's time."""
     p2p = profile.p2p_latency_s + profile.boundary_bytes / profile.p2p_bw
-    fwd = n_layers * profile.layer_fwd_s + (profile.first_fwd_s if first else 0.0)
-    bwd = n_layers * profile.layer_bwd_s + (profile.first_bwd_s if first else 0.0)
+    layers = n_layers * (profile.tp / tp if tp else 1.0)
+    fwd = layers * profile.layer_fwd_s + (profile.first_fwd_s if first else 0.0)
+    bwd = layers * profile.layer_bwd_s + (profile.first_bwd_s if first else 0.0)
     if last:
         fwd += profile.last_fwd_s
         bwd += profile.last_bwd_s
     return fwd + (0.0 if last else p2p), bwd + (0.0 if first else p2p)
 
 
-def device_params(profile: Profile, n_layers: int, *, first: bool, last: bool) -> float:
-    """Parameters one device of a stage holds at the profile's TP degree (:func:`~chameleon.layout.geometry.per_device`)."""
-    return per_device(profile.units, n_layers, first=first, last=last, tp=profile.tp)
+def device_params(profile: Profile, n_layers: int, *, first: bool, last: bool, tp: int = 0) -> float:
+    """Parameters one device of a stage holds at TP degree ``tp`` (0: the profile's;
+    :func:`~chameleon.layout.geometry.per_device`)."""
+    return per_device(profile.units, n_layers, first=first, last=last, tp=tp or profile.tp)
 
 
 def stage_memory(profile: Profile, n_layers: int, *, first: bool, last: bool, in_flight: int) -> float:
@@ -137,8 +140,10 @@ def slowdown(speeds: Speeds, devices: Sequence[int]) -> float:
 
 
 def _pipeline_costs(profile: Profile, stages: tuple[Stage, ...], speeds: Speeds = EVEN) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds per micro-batch of each stage, at its devices' speed and TP size (a stage of
+    another TP size than the profile's computes its layers ``profile.tp / tp`` times as long)."""
     last = len(stages) - 1
-    costs = [stage_cost(profile, st.n_layers, first=s == 0, last=s == last) for s, st in enumerate(stages)]
+    costs = [stage_cost(profile, st.n_layers, first=s == 0, last=s == last, tp=st.tp) for s, st in enumerate(stages)]
     factors = [slowdown(speeds, st.devices) for st in stages]
     return [c[0] * f for c, f in zip(costs, factors)], [c[1] * f for c, f in zip(costs, factors)]
 
@@ -155,16 +160,15 @@ def sync_time(profile: Profile, plan: Plan) -> tuple[float, int]:
     """Seconds and rounds of the coloured DP gradient sync of a plan: its geometry's buckets and rounds, each
     round as long as its largest all-reduce."""
     g = geometry_of(plan)
-    seconds = sum(
-        max(allreduce_time(profile, len(g.buckets[b].stages), g.elems(b, profile.units)) for b in r) for r in g.rounds
-    )
+    seconds = sum(max(allreduce_time(profile, *g.sync_size(b, profile.units)) for b in r) for r in g.rounds)
     return seconds, len(g.rounds)
 
 
 def optimizer_time(profile: Profile, plan: Plan, speeds: Speeds = EVEN) -> float:
     """The slowest device's optimizer step (the most parameters, times its slowdown)."""
     most = max(
-        device_params(profile, st.n_layers, first=s == 0, last=s == p.n_stages - 1) * slowdown(speeds, st.devices)
+        device_params(profile, st.n_layers, first=s == 0, last=s == p.n_stages - 1, tp=st.tp)
+        * slowdown(speeds, st.devices)
         for p in plan.pipelines for s, st in enumerate(p.stages) if st.devices
     )
     return most * profile.optimizer_s_per_param

@@ -353,7 +353,7 @@ class Planner:
         pipes = tuple(Pipeline(tuple(Stage(tuple(itertools.islice(ids, tp)), b) for b in sp.bounds()), 1)
                       for sp in splits for _ in range(copies))
         g = Geometry(Plan(n_layers=self.profile.n_layers, micro_batch_size=1, pipelines=pipes))
-        return tuple(max(g.elems(b, self.profile.units) for b in r) for r in g.rounds)
+        return tuple(max(g.sync_size(b, self.profile.units)[1] for b in r) for r in g.rounds)
 
     def _fixed(self, splits: tuple[Split, ...], k: int) -> float:
         """DP sync (coloured rounds over ``k`` pipelines) + optimizer step of a set of distinct splits."""

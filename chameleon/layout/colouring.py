@@ -22,10 +22,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SyncGroup:
-    """One all-reduce: its devices (sorted) and the tensors bucketed into it (layout order)."""
+    """One all-reduce: its devices (sorted) and the tensors bucketed into it (layout order). Holders of different TP
+    sizes sum the whole tensors (``shapes``), each placing its own regions in zeros; a device in ``zeroed`` places
+    a tensor it holds whole as zeros (its stage's first device adds that copy)."""
 
     devices: tuple[int, ...]
     names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...] | None = None
+    zeroed: tuple[int, ...] = ()
 
 
 def dsatur(adjacency: Sequence[Collection[int]]) -> list[int]:

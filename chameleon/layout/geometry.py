@@ -9,6 +9,13 @@ row-parallel cuts) — and keeps the embedding and the head whole on every devic
 against this). Units held by the same stages form a :class:`Bucket`: one gradient
 all-reduce per TP index, the buckets coloured into rounds of stage-disjoint ones.
 
+Replicas may differ in TP degree (each pipeline its own). A bucket whose stages do is
+cut into ``lcm`` of their degrees *fine* shards, fine shard ``t`` held by device
+``t·tp_k // lcm`` of stage ``k``; its gradients are summed in one all-reduce over every
+holder, each device placing its own regions in zeros of the whole tensors (and a copy
+that every device of a stage keeps, from the stage's first device alone), so regions
+that overlap are summed where they overlap and each replica counts once.
+
 A *part* is TP shard ``t`` of a bucket: its layers' shard ``t`` and the copy of its
 embedding or head that device ``t`` of each stage keeps; its holders are device
 ``t`` of each of the bucket's stages. A part is lost when all its holders failed;
@@ -29,6 +36,7 @@ norms) as sharded, as the memory model does. Pure functions; nothing touches a p
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
+import math
 from dataclasses import dataclass
 from functools import cache, cached_property, lru_cache
 from typing import NamedTuple
@@ -147,11 +155,13 @@ def coverage(have: Holding | None, shard: int, tp: int, n_layers: int) -> np.nda
 
 @dataclass(frozen=True)
 class Bucket:
-    """Model units (in model order) held by the same live stages (ids into :attr:`Geometry.stages`) of one TP size."""
+    """Model units (in model order) held by the same live stages (ids into :attr:`Geometry.stages`); ``tp``: its
+    shards, the stages' TP size, or the lcm of their sizes where they differ (``mixed``: fine shards)."""
 
     units: tuple[int, ...]
     stages: tuple[int, ...]
     tp: int
+    mixed: bool = False
 
 
 class Part(NamedTuple):
@@ -170,8 +180,6 @@ class Geometry:
         rounds: bucket ids of the buckets held by ≥ 2 stages, coloured into rounds of stage-disjoint ones.
         width: the plan's TP size (the widest stage).
 
-    Raises:
-        ValueError: stages of different TP sizes hold one unit (their shards cannot be synced).
     """
 
     def __init__(self, plan: Plan):
@@ -189,10 +197,8 @@ class Geometry:
             grouped.setdefault(tuple(holders), []).append(u)
         buckets = []
         for stages, units in grouped.items():
-            tps = sorted({self.stages[k].tp for k in stages})
-            if len(tps) > 1:
-                raise ValueError(f"holders of {self.name_units(units)} have TP sizes {tps}: gradient sync needs one TP size")
-            buckets.append(Bucket(tuple(units), stages, tps[0] if tps else 1))
+            tps = {self.stages[k].tp for k in stages}
+            buckets.append(Bucket(tuple(units), stages, math.lcm(*tps) if tps else 1, len(tps) > 1))
         self.buckets = tuple(buckets)
         self.of_stage: list[list[int]] = [[] for _ in self.stages]
         for b, bucket in enumerate(buckets):
@@ -217,14 +223,25 @@ class Geometry:
         return Holding(*self._units[k], t, self.stages[k].tp)
 
     def holders(self, part: Part) -> tuple[int, ...]:
-        """The devices holding ``part``."""
-        return tuple(self.stages[k].devices[part.shard] for k in self.buckets[part.bucket].stages)
+        """The devices holding ``part`` (a fine shard of a mixed bucket: the device of each stage whose shard holds it)."""
+        bucket = self.buckets[part.bucket]
+        return tuple(self.stages[k].devices[part.shard * self.stages[k].tp // bucket.tp] for k in bucket.stages)
 
-    def elems(self, bucket: int, params: UnitParams) -> float:
-        """Elements of ``bucket`` one device of its stages holds (its gradient all-reduce's size)."""
+    def shards_of(self, device: int, bucket: int) -> range:
+        """The (fine) shards of ``bucket`` that ``device`` holds."""
+        k, t = self.seat[device]
+        per = self.buckets[bucket].tp // self.stages[k].tp
+        return range(t * per, (t + 1) * per)
+
+    def sync_size(self, bucket: int, params: UnitParams) -> tuple[int, float]:
+        """Devices and elements per device of ``bucket``'s gradient all-reduce: one per TP index over a device of each
+        stage, its shard; or, mixed, one over every holder, the whole units."""
         b = self.buckets[bucket]
         layers = sum(0 <= u < self.n_layers for u in b.units)
-        return per_device(params, layers, first=EMBEDDING in b.units, last=self.n_layers in b.units, tp=b.tp)
+        first, last = EMBEDDING in b.units, self.n_layers in b.units
+        if b.mixed:
+            return sum(self.stages[k].tp for k in b.stages), per_device(params, layers, first=first, last=last, tp=1)
+        return len(b.stages), per_device(params, layers, first=first, last=last, tp=b.tp)
 
     # ----- faults -----------------------------------------------------------------------
 
@@ -235,7 +252,7 @@ class Geometry:
         touched |= {b for b, bucket in enumerate(self.buckets) if not bucket.stages}
         return tuple(
             Part(b, t) for b in sorted(touched) for t in range(self.buckets[b].tp)
-            if all(self.stages[k].devices[t] in dead for k in self.buckets[b].stages)
+            if dead.issuperset(self.holders(Part(b, t)))
         )
 
     def describe(self, parts: Iterable[Part]) -> str:
@@ -289,11 +306,11 @@ class Geometry:
             count: dict[Part, int] = {}
             for d in group:
                 if d in self.seat:
-                    k, t = self.seat[d]
-                    for b in self.of_stage[k]:
-                        n = count[Part(b, t)] = count.get(Part(b, t), 0) + 1
-                        if n == len(self.buckets[b].stages):
-                            return True
+                    for b in self.of_stage[self.seat[d][0]]:
+                        for t in self.shards_of(d, b):
+                            n = count[Part(b, t)] = count.get(Part(b, t), 0) + 1
+                            if n == len(self.buckets[b].stages):
+                                return True
             return False
 
         return sum(map(wipes, groups)) / len(groups)
@@ -357,7 +374,8 @@ def tp_units(devices: Iterable[int], width: int) -> list[tuple[int, ...]]:
 
 def sync_rounds(geometry: Geometry, layout: Layout) -> tuple[tuple[SyncGroup, ...], ...]:
     """The runtime's gradient sync: every round's buckets, each one all-reduce per TP index ``t`` over device ``t``
-    of its stages, carrying the layout's tensors of its units.
+    of its stages, carrying the layout's tensors of its units — or, a bucket of mixed TP sizes, one all-reduce of
+    the whole tensors over every holder (see the module doc; the stages' devices but their first zeroed).
 
     Every rank runs the rounds, and the groups within a round, in this order, so
     process groups and collectives line up everywhere. ``layout`` is the plan's.
@@ -367,11 +385,15 @@ def sync_rounds(geometry: Geometry, layout: Layout) -> tuple[tuple[SyncGroup, ..
     for spec in layout.values():
         if spec.holders:
             names[bucket_of[tuple(geometry.seat[h.devices[0]][0] for h in spec.holders)]].append(spec.name)
-    return tuple(
-        tuple(SyncGroup(tuple(sorted(geometry.holders(Part(b, t)))), tuple(names[b]))
-              for b in round_ for t in range(geometry.buckets[b].tp))
-        for round_ in geometry.rounds
-    )
+    def groups(b: int) -> list[SyncGroup]:
+        bucket = geometry.buckets[b]
+        if not bucket.mixed:
+            return [SyncGroup(tuple(sorted(geometry.holders(Part(b, t)))), tuple(names[b])) for t in range(bucket.tp)]
+        stages = [geometry.stages[k].devices for k in bucket.stages]
+        return [SyncGroup(tuple(sorted(d for devices in stages for d in devices)), tuple(names[b]),
+                          tuple(layout[n].shape for n in names[b]), tuple(sorted(d for ds in stages for d in ds[1:])))]
+
+    return tuple(tuple(g for b in round_ for g in groups(b)) for round_ in geometry.rounds)
 
 
 def writers(layout: Layout) -> dict[int, dict[str, Region]]:

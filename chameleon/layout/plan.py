@@ -192,18 +192,18 @@ def plan_from_spec(
 
     Each entry is ``{"layers": [[0, 3], [3, 6], [6, 8]], "micro_batches": 3}``; a
     stage given as an integer ``n`` means "the next n layers". Devices are handed
-    out in order, ``tp`` per stage.
+    out in order, ``tp`` per stage, or the entry's own ``"tp"`` (each pipeline its TP size).
     """
     pipelines, next_device = [], 0
     for j, entry in enumerate(spec):
-        stages, start = [], 0
+        stages, start, width = [], 0, int(entry.get("tp") or tp)
         for s, item in enumerate(entry["layers"]):
             if isinstance(item, int):
                 lo, hi = start, start + item
             else:
                 lo, hi = int(item[0]), int(item[1])
-            stages.append(Stage(devices=tuple(range(next_device, next_device + tp)), layers=(lo, hi)))
-            next_device += tp
+            stages.append(Stage(devices=tuple(range(next_device, next_device + width)), layers=(lo, hi)))
+            next_device += width
             start = hi
         pipelines.append(Pipeline(stages=tuple(stages), micro_batches=int(entry["micro_batches"])))
     plan = Plan(n_layers=n_layers, micro_batch_size=micro_batch, pipelines=tuple(pipelines))

@@ -19,7 +19,7 @@ from chameleon.data.stream import SampleStream, micro_batch_samples
 from chameleon.layout.colouring import SyncGroup
 from chameleon.layout.plan import Plan, micro_batch_ranges
 from chameleon.layout.schedule import Action, executors
-from chameleon.layout.spec import Region
+from chameleon.layout.spec import Region, local_slices
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import TensorParallelOps, spec_of
 from chameleon.runtime.worker.comm import Generation
@@ -235,9 +235,35 @@ def sync_gradients(
             if gen.me not in sync.devices:
                 continue
             grads = state.grads(sync.names)
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            gen.all_reduce(flat, sync.devices)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            if sync.shapes is None:
+                _all_reduce_flat(grads, gen=gen, devices=sync.devices)
+            else:
+                _all_reduce_padded(grads, sync, state=state, gen=gen)
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], *, gen: Generation, devices: tuple[int, ...]) -> None:
+    """Sum ``grads`` (the same shards on every device of ``devices``) in one all-reduce."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    gen.all_reduce(flat, devices)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _all_reduce_padded(grads: list[torch.Tensor], sync: SyncGroup, *, state: StageState, gen: Generation) -> None:
+    """Sum ``grads`` over holders of different TP sizes: each device places its regions in zeros of the whole
+    tensors (a tensor it holds whole as zeros, if ``sync.zeroed`` names it), one all-reduce, its regions back."""
+    boxes = [tuple((0, n) for n in shape) for shape in sync.shapes]
+    flat = torch.zeros(sum(math.prod(shape) for shape in sync.shapes), dtype=grads[0].dtype, device=grads[0].device)
+    views, offset = [], 0
+    for g, name, shape, box in zip(grads, sync.names, sync.shapes, boxes, strict=True):
+        whole = flat[offset : offset + math.prod(shape)].view(shape)
+        offset += whole.numel()
+        view = whole[local_slices(state.regions[name], box)]
+        views.append(view)
+        if state.regions[name] != box or gen.me not in sync.zeroed:
+            view.copy_(g)
+    gen.all_reduce(flat, sync.devices)
+    for g, view in zip(grads, views, strict=True):
+        g.copy_(view)
