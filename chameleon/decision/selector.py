@@ -2,8 +2,9 @@
 
 Candidates: ``reroute`` (orphan micro-batches to same-stage DP peers),
 ``dynamic`` (the planner's best plan on the survivors), ``redundant`` (the dead
-stage's layers move onto a pipeline neighbour, weights from a DP peer) and
-``checkpoint`` (reload the newest checkpoint onto the planner's plan). Each is
+stage's layers move onto a pipeline neighbour, weights from a DP peer), ``reform``
+(the survivors of a broken TP group re-formed at a smaller TP size, the shards they
+lack from other replicas) and ``checkpoint`` (reload the newest checkpoint onto the planner's plan). Each is
 scored ``B / t_step · (D − T − p·C) / D``: Eq. 8's average throughput until the
 next fault, less what that fault is expected to cost on the candidate's plan —
 ``p`` the share of fault domains whose loss would leave some region of the state
@@ -245,6 +246,48 @@ def takeover_plan(profile: Profile, plan: Plan, failed: set[int]) -> Plan:
     return out
 
 
+def reform_plan(profile: Profile, plan: Plan, failed: set[int], tp_sizes: Collection[int]) -> Plan:
+    """Every pipeline that lost some devices of its TP groups re-formed from its survivors at the largest size of
+    ``tp_sizes`` (the TP sizes the model allows) that each of its stages can fill: its layers kept, device ``j``
+    of a re-formed stage a survivor whose old shard lies in new shard ``j`` where one does (it then lacks the least);
+    pipelines that lost a whole stage are left out; the micro-batches split over the pipelines by speed.
+
+    Raises:
+        PlanError: When no broken pipeline can be re-formed (or the plan is rerouted).
+    """
+    if plan.reroutes:
+        raise PlanError("a rerouted plan is re-planned, not re-formed")
+    dead, kept, reformed = set(failed), [], 0
+    for p in plan.pipelines:
+        if not dead & set(p.devices):
+            kept.append(p)
+            continue
+        survivors = [[d for d in st.devices if d not in dead] for st in p.stages]
+        width = max((t for t in tp_sizes if t <= min(map(len, survivors))), default=0)
+        if width:
+            stages = tuple(Stage(_reformed(st.devices, alive, width), st.layers) for st, alive in zip(p.stages, survivors))
+            kept.append(Pipeline(stages, p.micro_batches))
+            reformed += 1
+    if not reformed:
+        raise PlanError("no broken TP group keeps survivors enough for a smaller TP size in every stage")
+    shares = [p.micro_batches for p in kept]
+    shares[0] += plan.n_micro_batches - sum(shares)
+    out = Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size,
+               pipelines=tuple(replace(p, micro_batches=m) for p, m in zip(kept, shares)))
+    validate_plan(out)
+    return est.rebalanced(profile, out, est.EVEN)
+
+
+def _reformed(old: tuple[int, ...], alive: list[int], width: int) -> tuple[int, ...]:
+    """``width`` of a stage's ``alive`` devices in new-shard order: for shard ``j``, one whose old shard lies in it."""
+    free, out = list(alive), []
+    for j in range(width):
+        inside = [d for d in free if j * len(old) <= old.index(d) * width < (j + 1) * len(old)]
+        out.append((inside or free)[0])
+        free.remove(out[-1])
+    return tuple(out)
+
+
 IDLE_OPTIONS = 4  # re-planning also weighs the best plans on up to this many fewer stage units
 IDLE_UNITS = 256  # ... on clusters of at most this many: beyond, a unit is under 0.4 % of the work
 
@@ -333,6 +376,7 @@ def candidates(
     fallback: Fallback | None = None,
     idle: Collection[int] = (),
     measured: Measured = Measured(),
+    tp_sizes: Collection[int] = (),
 ) -> list[Candidate]:
     """Every recovery candidate for ``failed`` devices of ``plan``, feasible or not (with why).
 
@@ -342,7 +386,8 @@ def candidates(
     flag are taken from the arguments above). ``idle``: live devices ``plan``
     leaves idle; a re-plan or a reload may use them, and the survivors of broken
     stages, regrouped into units (:meth:`~chameleon.layout.geometry.Geometry.units`).
-    ``measured``: step times measured in this run.
+    ``measured``: step times measured in this run. ``tp_sizes``: the TP sizes the model allows; given, broken TP
+    groups may be re-formed at a smaller one (``reform``).
     """
     fallback = replace(fallback or Fallback(), checkpoint_age_s=checkpoint_age_s, in_process=in_process)
     geometry = geometry_of(plan)
@@ -357,6 +402,9 @@ def candidates(
         "dynamic": lambda: _dynamic(profile, plan, options(), **common),
         "redundant": lambda: _redundant(profile, plan, failed, **common),
     }
+    if tp_sizes and geometry.width > 1:
+        builders["reform"] = lambda: _moved("reform", profile, plan, reform_plan(profile, plan, failed, tp_sizes), {},
+                                            **common)
     out = [Candidate(name, False, f"no survivor holds {geometry.describe(lost)}") if lost else _built(name, build)
            for name, build in builders.items()]
     out.append(_built("checkpoint", lambda: _checkpoint(profile, plan, units, planner, precomputed=precomputed, **common)))
@@ -429,6 +477,7 @@ def decide(
     in_process: bool = False,
     idle: Collection[int] = (),
     measured: Measured = Measured(),
+    tp_sizes: Collection[int] = (),
 ) -> Decision:
     """Weigh every candidate by Eq. 8 and the next fault's cost, and choose; a forced ``policy.name`` restricts the choice.
 
@@ -445,7 +494,7 @@ def decide(
     cands = candidates(
         profile, plan, failed, planner=planner, d_s=d_s, slots=policy.reroute_slots,
         checkpoint_age_s=checkpoint_age_s, precomputed=precomputed, in_process=in_process, fallback=fallback,
-        idle=idle, measured=measured,
+        idle=idle, measured=measured, tp_sizes=tp_sizes,
     )
     feasible = [c for c in cands if c.feasible]
     note = ""
