@@ -108,7 +108,7 @@ def test_back_to_speed_a_device_the_plan_leaves_idle_is_taken_back_in():
 
 @pytest.mark.parametrize("override, key", [({"factor": 0.5}, "failure.factor=0.5"), ({"rank": 9}, "failure.rank=9"),
                                            ({"duration_s": -1.0}, "failure.duration_s=-1.0"),
-                                           ({"phase": "forward"}, "phase=any")])
+                                           ({"phase": "forward"}, "a step or at_s, no phase")])
 def test_a_nonsense_slow_fault_is_refused_naming_its_key(override, key):
     cfg = FailureConfig(**{"kind": "slow", "rank": 1, "step": 3, **override})
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
@@ -154,3 +154,20 @@ def test_with_ft_slow_off_a_straggler_is_tolerated_and_nothing_is_judged(tmp_pat
                     "failure.rank=1", "failure.step=2", "failure.factor=4", "ft.slow_window=3", "ft.slow=off")
     got = assert_nothing_lost(run, slow_reference)
     assert got["reshapes"] == [] and got["generations"] == 1 and "slow devices" not in run.stderr
+
+
+def test_random_faults_may_be_slow_devices_fired_at_their_time():
+    cfg = FailureConfig(kind="random", kinds=["slow", "kill"], max_faults=6, mtbf_s=1.0, factor=2.5, duration_s=9.0)
+    faults = planned_faults(cfg, world=4)
+    slow = [f for f in faults if f.kind == "slow"]
+    assert slow and all(f.at_s is not None and f.step is None and (f.factor, f.duration_s) == (2.5, 9.0) for f in slow)
+
+
+@pytest.mark.full
+def test_a_random_slow_device_is_paced_from_its_time_and_nothing_is_lost(tmp_path, slow_reference):
+    run = run_entry("train", tmp_path / "run", *SLOW_RUN, "launcher.nproc_per_node=4", "failure=random",
+                    "failure.kinds=[slow]", "failure.max_faults=1", "failure.mtbf_s=0.2", "failure.factor=4")
+    assert_nothing_lost(run, slow_reference)
+    log = [json.loads(x) for x in (run.run_dir / "events.jsonl").read_text().splitlines()]
+    (injected,) = [e for e in log if e["event"] == "injected"]
+    assert injected["fault"].startswith("slow (×4) of device ")

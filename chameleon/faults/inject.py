@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from chameleon.faults.spec import (
@@ -106,9 +107,14 @@ class WorkerFaults:
             if time.monotonic() < until:
                 time.sleep((factor - 1.0) * seconds)
 
+    def injected(self, fault: FaultSpec) -> None:
+        """A ``slow`` fault the controller fired at its time: this device is slow from the step it starts next."""
+        if fault.rank == self.device:
+            self._mine.append(replace(fault, step=0))
+
     def _start_slow(self, step: int) -> None:
         for f in self._mine:
-            if f.kind in PACED_KINDS and f not in self._fired and f.step <= step:
+            if f.kind in PACED_KINDS and f not in self._fired and f.step is not None and f.step <= step:
                 self._fired.add(f)
                 self._announce(f, self.beacon.position())
                 lasts = f.duration_s if f.duration_s is not None else float("inf")

@@ -194,7 +194,7 @@ def _random_faults(cfg: FailureConfig, *, world: int, nnodes: int) -> list[Fault
     if cfg.mtbf_s <= 0 or cfg.max_faults < 0:
         raise ValueError(f"failure.mtbf_s={cfg.mtbf_s} / failure.max_faults={cfg.max_faults}: must be > 0 and ≥ 0")
     kinds = list(cfg.kinds)
-    timed = [k for k in list(FaultKind) if k not in (*MAIN_THREAD_KINDS, *PACED_KINDS, STUCK_ABORT)]
+    timed = [k for k in list(FaultKind) if k not in (*MAIN_THREAD_KINDS, STUCK_ABORT)]
     if not kinds or any(k not in timed for k in kinds):
         raise ValueError(f"failure.kinds={kinds}: random faults are fired from outside; pick from {', '.join(timed)}")
     rng = random.Random(cfg.seed)
@@ -205,6 +205,9 @@ def _random_faults(cfg: FailureConfig, *, world: int, nnodes: int) -> list[Fault
         if kind in NODE_KINDS:
             faults.append(FaultSpec(kind=kind, rank=None, node=rng.randrange(1, nnodes) if nnodes > 1 else 1,
                                     at_s=round(at, 3), resume_after_s=cfg.resume_after_s))
+        elif kind in PACED_KINDS:
+            faults.append(FaultSpec(kind=kind, rank=rng.randrange(world), at_s=round(at, 3), factor=cfg.factor,
+                                    duration_s=cfg.duration_s))
         else:
             faults.append(FaultSpec(kind=kind, rank=rng.randrange(world), at_s=round(at, 3)))
     return faults
@@ -268,9 +271,9 @@ def _check_slow(f: FaultSpec, key: str) -> None:
         raise ValueError(f"{key}.factor={f.factor}: a slow device computes factor times slower: use a factor > 1")
     if f.duration_s is not None and not f.duration_s > 0:
         raise ValueError(f"{key}.duration_s={f.duration_s}: use null (for good) or a duration > 0 seconds")
-    if f.phase != "any" or f.at_s is not None:
-        raise ValueError(f"{key}: a {K.slow} device is slow from the start of its step on: set its rank and step "
-                         "only (phase=any, no at_s)")
+    if f.phase != "any" or (f.at_s is None) == (f.step is None):
+        raise ValueError(f"{key}: a {K.slow} device is slow from the start of its step (or from at_s) on: set its "
+                         "rank and a step or at_s, no phase")
 
 
 def worker_faults(faults: list[FaultSpec]) -> list[FaultSpec]:

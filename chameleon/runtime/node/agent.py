@@ -42,7 +42,7 @@ from typing import Protocol
 
 from chameleon.config import Config
 from chameleon.faults.inject import kill_node, stop_and_resume
-from chameleon.faults.spec import FaultSpec
+from chameleon.faults.spec import PACED_KINDS, FaultSpec
 from chameleon.runtime.node.launch import SECRET_ENV, host_identity
 from chameleon.runtime.node.preflight import store_problem
 from chameleon.runtime.node.wire import AuthError, Link, SecretMismatch, connect
@@ -161,7 +161,7 @@ class Agent:
             case Signal():
                 self.pool.signal(order.device, order.signum)
             case Inject():
-                self.inject(order.fault)
+                self.inject(order)
             case Probe():
                 self.report(Positions(self.node, order.probe, self.pool.positions()))
             case Noted():
@@ -173,10 +173,14 @@ class Agent:
             case _:
                 raise TypeError(f"unexpected message from the controller: {order!r}")
 
-    def inject(self, fault: FaultSpec) -> None:
-        """Fire a fault from outside its victim: a worker's kill or hang, or this node's kill or hang."""
+    def inject(self, order: Inject) -> None:
+        """Fire a fault from outside its victim: a worker's kill or hang (a signal), slowness (told to the worker),
+        or this node's kill or hang."""
+        fault = order.fault
         if fault.kind in ("kill", "hang"):
             self.pool.signal(fault.rank, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+        elif fault.kind in PACED_KINDS:
+            self.pool.push(order, codec.encode(order))
         else:
             self._fire_node_fault(fault)
 

@@ -28,7 +28,8 @@ from multiprocessing.connection import Connection
 
 from chameleon.runtime.protocol import codec
 from chameleon.runtime.protocol.errors import ControllerLost
-from chameleon.runtime.protocol.messages import Begin, Commit, End, Flag, GenerationSpec, Moves, Publish
+from chameleon.faults.spec import FaultSpec
+from chameleon.runtime.protocol.messages import Begin, Commit, End, Flag, GenerationSpec, Inject, Moves, Publish
 
 _PULSE, _FLAGS = 0, 1
 RING = 64  # flags of the last RING generations are kept; a worker is never that many generations behind
@@ -91,6 +92,7 @@ class Inbox:
         self.begun: set[int] = set()
         self.commits: dict[tuple[int, int], Commit] = {}
         self.flags: set[int] = set()
+        self.injected: list[FaultSpec] = []  # faults the controller fired at their time that the worker paces
         self.ended = False
         self._pulse, self._pulse_seen = -1, time.monotonic()
 
@@ -138,6 +140,8 @@ class Inbox:
                 self.flags.add(g)
             case End():
                 self.ended = True
+            case Inject(fault=fault):
+                self.injected.append(fault)
             case _:
                 raise ControllerLost(f"its node agent pushed {type(message).__name__}, which is not a pushed message")
 

@@ -373,6 +373,7 @@ def _train(gen_spec: GenerationSpec, state: StageState | None, *, gen: Generatio
             if commit is not None:
                 state.discard_gradients()
             digest = state.digest(step % slots, slots) if slots else None  # of the state this step trains with
+            _adopt_injected(pushed, faults)
             faults.step_started(step, typical(compute_s, 0.05))
             start = time.perf_counter()
             try:
@@ -406,6 +407,7 @@ def _idle(gen_spec: GenerationSpec, *, gen: Generation, pushed: _Pushed, steps: 
     """A member without a stage: follow the commits until one ends the generation, or the last step, timing its
     self-test as each step starts (``self_timed(step)``)."""
     for step in range(gen_spec.resume_step, steps):
+        _adopt_injected(pushed, faults)
         faults.idle_step(step)
         self_timed(step)
         order = pushed.commit(gen, step).order
@@ -414,6 +416,12 @@ def _idle(gen_spec: GenerationSpec, *, gen: Generation, pushed: _Pushed, steps: 
         if order.stop or order.switch_to is not None:
             return order
     return None
+
+
+def _adopt_injected(pushed: _Pushed, faults: WorkerFaults) -> None:
+    """Faults the controller fired at their time and the agent pushed (slowness): paced from this step on."""
+    while pushed.inbox.injected:
+        faults.injected(pushed.inbox.injected.pop(0))
 
 
 class _Saver:
