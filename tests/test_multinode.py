@@ -187,3 +187,26 @@ def test_a_node_lost_and_restarted_grows_back_and_forged_traffic_is_refused(tmp_
     assert any("does not hold this job's secret" in e["why"] for e in refused)
     assert any("within" in e["why"] or "malformed" in e["why"] for e in refused)
     assert "refused a connection" in run.stderr
+
+
+HEADS4 = ("model.n_heads=4", "model.n_kv_heads=4")
+TP4_TP2 = ("parallel.pipelines=[{layers:[4],micro_batches:3,tp:4},{layers:[4],micro_batches:3,tp:2}]",)
+
+
+@pytest.mark.full
+def test_a_whole_node_of_a_tp_group_lost_re_forms_it_and_a_second_fault_is_recovered(tmp_path, tmp_path_factory):
+    """A tp4 replica on nodes 0 and 1 beside a tp2 one on node 2: node 1 is killed, and the tp4 group's survivors
+    on node 0 re-form at tp2 (the shards they lack from node 2), so every layer keeps two holders; a later kill on
+    node 2 is then recovered from node 0, not stopped."""
+    runs = [run_entry("train", tmp_path_factory.mktemp("ref") / "run", *JOB, *SHORT, *HEADS4, *layout, "failure=none")
+            for layout in (("launcher.nproc_per_node=6", *TP4_TP2), ("parallel=dp", "launcher.nproc_per_node=1"))]
+    for ref in runs:
+        assert ref.returncode == 0, ref.stderr
+    faults = "[{kind:node_kill,node:1,step:2,phase:backward},{kind:kill,rank:5,step:5,phase:forward}]"
+    cluster = Cluster(tmp_path, *SHORT, *HEADS4, *TP4_TP2, "failure=schedule", f"failure.faults={faults}")
+    run = cluster.train()
+    drift = Drift.between(runs[0].summary, runs[0].params, runs[1].summary, runs[1].params)
+    got = assert_clean(cluster, run, (runs[0], drift))
+    first, second = got["recoveries"]
+    assert first["failed_ranks"] == [2, 3] and first["chosen"] == "reform"
+    assert second["failed_ranks"] == [5]
