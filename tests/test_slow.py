@@ -11,7 +11,7 @@ from conftest import SMALL_RUN, assert_nothing_lost, run_entry
 from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.planner import Planner
-from chameleon.decision.selector import decide_slow
+from chameleon.decision.selector import decide_slow, relayered
 from chameleon.faults.spec import FailureConfig, planned_faults
 from chameleon.layout.plan import even_plan, validate_plan
 from chameleon.runtime.control.stragglers import Stragglers
@@ -88,13 +88,23 @@ def test_the_decision_on_a_slow_device_weighs_tolerate_rebalance_replan_and_evic
     prof = tiny_profile()
     policy = PolicyConfig(fixed_d_s=1e6)
     d = decide_slow(prof, DP4, {1: 3.0}, policy=policy, planner=Planner(prof), horizon_s=600.0)
-    assert [c.name for c in d.candidates] == ["tolerate", "rebalance", "replan", "evict"]
-    assert all(c.feasible for c in d.candidates)
+    assert [c.name for c in d.candidates] == ["tolerate", "rebalance", "relayer", "replan", "evict"]
+    assert all(c.feasible for c in d.candidates if c.name != "relayer"), "dp4: one stage per pipeline, no layer moves"
     by = {c.name: c for c in d.candidates}
     assert d.choice == max(d.candidates, key=lambda c: c.score).name != "tolerate"
     assert by["tolerate"].t_step > 1.5 * by[d.choice].t_step
     assert 1 not in by["evict"].plan.devices and by["tolerate"].transition == 0.0
     assert d.d_s == 600.0, "scored over the slowness's expected remaining time, not D"
+
+
+def test_a_slow_stage_of_a_pipeline_is_given_fewer_layers():
+    prof = tiny_profile(n_layers=8, layer_fwd_s=0.01, layer_bwd_s=0.02)  # compute-bound: layers are what costs
+    plan = even_plan(dp=2, pp=2, tp=1, n_layers=8, global_batch=8, micro_batch=1)  # pipe0 on 0, 1; pipe1 on 2, 3
+    moved = relayered(plan, {1: 3.0})
+    assert [st.layers for st in moved.pipelines[0].stages] == [(0, 6), (6, 8)] and moved.pipelines[1] == plan.pipelines[1]
+    d = decide_slow(prof, plan, {1: 3.0}, policy=PolicyConfig(fixed_d_s=1e6), planner=Planner(prof), horizon_s=600.0)
+    by = {c.name: c for c in d.candidates}
+    assert by["relayer"].feasible and by["relayer"].t_step < by["rebalance"].t_step < by["tolerate"].t_step
 
 
 def test_back_to_speed_a_device_the_plan_leaves_idle_is_taken_back_in():

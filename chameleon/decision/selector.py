@@ -522,6 +522,34 @@ def _alive(domains, dead) -> tuple[tuple[int, ...], ...] | None:
     return tuple(g for g in (tuple(d for d in group if d not in dead) for group in domains) if g)
 
 
+def relayered(plan: Plan, speeds: est.Speeds) -> Plan:
+    """``plan`` with the layers of each pipeline that has a slow stage re-split by speed (the same devices): each
+    stage keeps at least one layer, and each other layer goes where it lengthens the slowest stage least.
+
+    Raises:
+        PlanError: When no pipeline of several stages has a slow one (nothing to re-split).
+    """
+    pipelines, changed = [], False
+    for p in plan.pipelines:
+        factors = [est.slowdown(speeds, st.devices) for st in p.stages]
+        if p.n_stages < 2 or max(factors) == 1.0 or not all(st.devices for st in p.stages):
+            pipelines.append(p)
+            continue
+        counts = [1] * p.n_stages
+        for _ in range(plan.n_layers - p.n_stages):
+            k = min(range(p.n_stages), key=lambda k: ((counts[k] + 1) * factors[k], k))
+            counts[k] += 1
+        bounds = [sum(counts[:k]) for k in range(p.n_stages + 1)]
+        stages = tuple(Stage(st.devices, (bounds[k], bounds[k + 1])) for k, st in enumerate(p.stages))
+        changed |= stages != p.stages
+        pipelines.append(replace(p, stages=stages))
+    if not changed:
+        raise PlanError("no pipeline of several stages has a slow one whose layers could move")
+    out = replace(plan, pipelines=tuple(pipelines))
+    validate_plan(out)
+    return out
+
+
 def decide_slow(
     profile: Profile,
     plan: Plan,
@@ -542,8 +570,9 @@ def decide_slow(
     """How to train on with slow devices (``speeds``; empty: every device is back to speed), by Eq. 8.
 
     ``tolerate`` keeps the running plan; ``rebalance`` splits its micro-batches over its pipelines by speed (no
-    state moves); ``replan`` takes the planner's best over every stage unit (``idle`` devices included),
-    rebalanced; ``evict`` its best without the slow devices' units (they stay members, idle). Each is scored over
+    state moves); ``relayer`` also gives a slow stage fewer layers (:func:`relayered`); ``replan`` takes the
+    planner's best over every stage unit (``idle`` devices included), rebalanced; ``evict`` its best without the
+    slow devices' units (they stay members, idle). Each is scored over
     the window the slowness is expected to last (``horizon_s``, at most the time to the next fault); step times
     are estimated at these speeds on the measured ``scale`` (measured ÷ estimated on the running plan, at these
     speeds: a plan's earlier measurements were taken at others). Ties go to the smaller transition.
@@ -575,8 +604,11 @@ def decide_slow(
             raise PlanError("no device is slow")
         return replan("evict", [u for u in units if not set(u) & set(speeds)])
 
+    def relayer() -> Candidate:
+        return _moved("relayer", profile, plan, est.rebalanced(profile, relayered(plan, speeds), speeds), {}, **common)
+
     cands = (_finish("tolerate", profile, plan, {}, **common), _built("rebalance", rebalance),
-             _built("replan", lambda: replan("replan", units)), _built("evict", evict))
+             _built("relayer", relayer), _built("replan", lambda: replan("replan", units)), _built("evict", evict))
     best = min((c for c in cands if c.feasible), key=lambda c: (-c.score, c.transition, c.name), default=cands[0])
     slow = ", ".join(f"{d} ×{f:.2f}" for d, f in sorted(speeds.items())) or "none any more"
     return Decision(policy.name, tuple(sorted(speeds)), horizon,
