@@ -30,6 +30,7 @@ def test_chaos_quick():
      "saving vs none"),
     ("bench_multinode.py", ["--quick"], "medians"),
     ("bench_groups.py", ["--ranks", "2", "4"], "plan"),
+    ("bench_slow.py", ["--quick"], "chameleon ÷ best"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_runtime_benchmark_runs(script, args, expect):
     """A smallest run of each runtime benchmark (its full run writes the docs' figures)."""
