@@ -11,7 +11,7 @@ from conftest import SMALL_RUN, assert_nothing_lost, run_entry
 from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.planner import Planner
-from chameleon.decision.selector import decide_slow, relayered
+from chameleon.decision.selector import decide, decide_slow, relayered
 from chameleon.faults.spec import FailureConfig, planned_faults
 from chameleon.layout.plan import even_plan, validate_plan
 from chameleon.runtime.control.stragglers import Stragglers
@@ -181,3 +181,13 @@ def test_a_random_slow_device_is_paced_from_its_time_and_nothing_is_lost(tmp_pat
     log = [json.loads(x) for x in (run.run_dir / "events.jsonl").read_text().splitlines()]
     (injected,) = [e for e in log if e["event"] == "injected"]
     assert injected["fault"].startswith("slow (×4) of device ")
+
+
+def test_a_fault_is_decided_at_the_slow_devices_pace():
+    """A device lost while another is slow: every candidate is estimated at the slow device's pace."""
+    prof, policy = tiny_profile(), PolicyConfig(fixed_d_s=1e6)
+    even = decide(prof, DP4, {0}, policy=policy, planner=Planner(prof))
+    slow = decide(prof, DP4, {0}, policy=policy, planner=Planner(prof), speeds={2: 3.0})
+    for a, b in zip(even.candidates, slow.candidates, strict=True):
+        if a.feasible and 2 in a.plan.devices:
+            assert b.t_step > a.t_step, a.name

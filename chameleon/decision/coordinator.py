@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chameleon.decision.config import PolicyConfig
-from chameleon.decision.estimator import Speeds, estimate_step
+from chameleon.decision.estimator import EVEN, Speeds, estimate_step
 from chameleon.decision.measured import Measured
 from chameleon.decision.planner import Planner
 from chameleon.decision.profiler import Profile
@@ -104,7 +104,7 @@ class Coordinator:
     def recover(
         self, resident: Plan, *, alive: set[int], next_step: int, saved: SavedState | None, now: float,
         fault_times: list[float], elapsed_s: float, precomputed: Plan | None, fresh: str | None = None,
-        measured: Measured = Measured(),
+        measured: Measured = Measured(), speeds: Speeds = EVEN,
     ) -> Transition:
         """The generation after losing every device of ``resident`` not in ``alive``.
 
@@ -119,7 +119,7 @@ class Coordinator:
         decision = decide(
             self.profile, resident, failed, policy=self.policy, planner=self._bounded(), precomputed=precomputed,
             fault_times=fault_times, elapsed_s=elapsed_s, idle=alive - set(resident.devices),
-            measured=measured, tp_sizes=self.tp_sizes, **self._fallback(resident, saved, now),
+            measured=measured, tp_sizes=self.tp_sizes, speeds=speeds, **self._fallback(resident, saved, now),
         )
         chosen = decision.chosen
         if chosen is None:

@@ -377,6 +377,7 @@ def candidates(
     idle: Collection[int] = (),
     measured: Measured = Measured(),
     tp_sizes: Collection[int] = (),
+    speeds: est.Speeds = est.EVEN,
 ) -> list[Candidate]:
     """Every recovery candidate for ``failed`` devices of ``plan``, feasible or not (with why).
 
@@ -387,12 +388,14 @@ def candidates(
     leaves idle; a re-plan or a reload may use them, and the survivors of broken
     stages, regrouped into units (:meth:`~chameleon.layout.geometry.Geometry.units`).
     ``measured``: step times measured in this run. ``tp_sizes``: the TP sizes the model allows; given, broken TP
-    groups may be re-formed at a smaller one (``reform``).
+    groups may be re-formed at a smaller one (``reform``). ``speeds``: devices known to be slow (every plan is
+    estimated at their pace).
     """
     fallback = replace(fallback or Fallback(), checkpoint_age_s=checkpoint_age_s, in_process=in_process)
     geometry = geometry_of(plan)
     lost = geometry.lost(failed)
-    common = dict(global_batch=plan.global_batch, d_s=d_s, slots=slots, fallback=fallback, measured=measured)
+    common = dict(global_batch=plan.global_batch, d_s=d_s, slots=slots, fallback=fallback, measured=measured,
+                  speeds=speeds)
     units = geometry.units((set(plan.devices) - set(failed)) | set(idle))
     options = (lambda: replans(planner, units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size,
                                previous=plan, precomputed=precomputed, domains=fallback.domains,
@@ -478,6 +481,7 @@ def decide(
     idle: Collection[int] = (),
     measured: Measured = Measured(),
     tp_sizes: Collection[int] = (),
+    speeds: est.Speeds = est.EVEN,
 ) -> Decision:
     """Weigh every candidate by Eq. 8 and the next fault's cost, and choose; a forced ``policy.name`` restricts the choice.
 
@@ -494,7 +498,7 @@ def decide(
     cands = candidates(
         profile, plan, failed, planner=planner, d_s=d_s, slots=policy.reroute_slots,
         checkpoint_age_s=checkpoint_age_s, precomputed=precomputed, in_process=in_process, fallback=fallback,
-        idle=idle, measured=measured, tp_sizes=tp_sizes,
+        idle=idle, measured=measured, tp_sizes=tp_sizes, speeds=speeds,
     )
     feasible = [c for c in cands if c.feasible]
     note = ""

@@ -961,6 +961,7 @@ class Core:
                 now=self.clock.wall(),
                 fault_times=self.fault_times, elapsed_s=t_detect - self.t0, precomputed=self._precomputed_for(devices),
                 fresh=None if self.t_train is not None else self.config.ckpt.resume or "", measured=self._measured(),
+                speeds=dict(self.stragglers.slow) if self.stragglers is not None else {},
             )
         except NoRecovery as err:
             raise TrainingError(str(err)) from None
