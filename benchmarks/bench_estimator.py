@@ -10,7 +10,8 @@ processes, gloo) and its steady step time (steps after the first) is set beside
 SIGKILLs (``failure=schedule``): under ``policy=reroute`` (one or two rerouted
 stages) or ``policy=dynamic`` (the planner's plan for the survivors), the plan is
 the one the decision recorded and the time is that of the last generation, its
-first step excluded; rerouted plans also show Eq. 13's ``max`` and ``sum``.
+first step excluded. Every plan is estimated with the ``policy.reroute_slots`` its run had (the runtime's
+policy's, ``max`` by default); rerouted plans also show the other two modes.
 
 The host's cores are shared with other users' jobs: before and after each run
 the profiler's probe (:func:`measure_background`) counts the busy processes of
@@ -38,7 +39,7 @@ from omegaconf import OmegaConf
 
 from chameleon.config import CONF_DIR, build_plan, model_config, register_configs
 from chameleon.decision.config import ClusterConfig
-from chameleon.decision.estimator import estimate_step
+from chameleon.decision.estimator import REROUTE_SLOTS, estimate_step
 from chameleon.decision.profiler import load_profile, measure_background
 from chameleon.layout.plan import Pipeline, Plan, Reroute, Stage
 
@@ -112,13 +113,13 @@ def plan_from_dict(d: dict) -> Plan:
 
 def run_plan(name: str, run_dir: Path, steps: int, cores: float) -> dict:
     """Train plan ``name`` for real: the plan that ran last, its steady step time, others' busy processes (the
-    profiler's probe, mean of before and after) and the load average after."""
+    profiler's probe, mean of before and after), the load average after and the run's ``policy.reroute_slots``."""
     overrides, faults = PLANS[name]
     before = measure_background(cores)
     summary = measure((*overrides, *faults), run_dir, steps)
     background = (before + measure_background(cores)) / 2
+    cfg = compose(config_name="config", overrides=[*BASE, *overrides, *faults])
     if not faults:
-        cfg = compose(config_name="config", overrides=[*BASE, *overrides])
         plan, measured = build_plan(cfg), summary["mean_step_time_s"]
     else:
         events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
@@ -128,7 +129,7 @@ def run_plan(name: str, run_dir: Path, steps: int, cores: float) -> dict:
         last = max(m["generation"] for m in summary["metrics"])
         measured = statistics.mean([m["step_time_s"] for m in summary["metrics"] if m["generation"] == last][1:])
     return {"name": name, "plan": asdict(plan), "measured_s": measured, "load": os.getloadavg()[0],
-            "procs": len(plan.devices), "background_procs": background}
+            "procs": len(plan.devices), "background_procs": background, "reroute_slots": cfg.policy.reroute_slots}
 
 
 def main() -> None:
@@ -147,6 +148,7 @@ def main() -> None:
         cluster = replace(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ClusterConfig), base.cluster)),
                           cache_dir=args.cache_dir or tmp)
         model = model_config(base)
+        runtime_slots = base.policy.reroute_slots
         at_tp = lambda tp: load_profile(model, cluster, micro_batch=base.train.micro_batch,  # noqa: E731
                                         seq_len=base.train.seq_len, tp=tp, threads=base.launcher.threads_per_worker)
         profile = at_tp(1)
@@ -154,18 +156,27 @@ def main() -> None:
               f"{profile.layer_bwd_s * 1e3:.2f} ms, head fwd {profile.last_fwd_s * 1e3:.2f} ms, "
               f"bwd {profile.last_bwd_s * 1e3:.2f} ms, p2p {profile.p2p_latency_s * 1e6:.0f} µs, "
               f"all-reduce {profile.dp_latency_s * 1e6:.0f} µs + {profile.dp_bw / 1e9:.2f} GB/s")
+        for terms in profile.tp_terms:
+            fwd, bwd = profile.layer_s(terms.tp)
+            print(f"  tp{terms.tp} layer: fwd {fwd * 1e3:.2f} ms, bwd {bwd * 1e3:.2f} ms (compute ÷ {terms.tp} + TP "
+                  f"terms {terms.fwd_s * 1e3:.2f} and {terms.bwd_s * 1e3:.2f} ms, of which idle "
+                  f"{terms.fwd_idle_s * 1e3:.2f} and {terms.bwd_idle_s * 1e3:.2f} ms)")
         print(f"{'plan':<13} {'procs':>5} {'est. s':>8} {'meas. s':>8} {'error':>7} {'busy':>5} {'load':>5} "
               f"{'quiet':>7}  estimate parts")
         runs, errors, shared, quiet = [], [], [], []
-        rerouted: dict[str, list[float]] = {"schedule": [], "max": [], "sum": []}
+        tp_errors: list[float] = []
+        rerouted: dict[str, list[float]] = {slots: [] for slots in REROUTE_SLOTS}
         for name in args.plans:
             run = run_plan(name, Path(tmp) / f"run{len(runs)}", args.steps, profile.host_cores)
             runs.append(run)
             plan, measured = plan_from_dict(run["plan"]), run["measured_s"]
             now = replace(at_tp(plan.pipelines[0].stages[0].tp), background_procs=run["background_procs"])
-            est = estimate_step(now, plan)
+            slots = run["reroute_slots"]
+            est = estimate_step(now, plan, reroute_slots=slots)
             errors.append(abs(est.t_step - measured) / measured)
-            alone = estimate_step(replace(now, background_procs=0.0), plan).t_step
+            if any(st.tp > 1 for p in plan.pipelines for st in p.stages):
+                tp_errors.append(errors[-1])
+            alone = estimate_step(replace(now, background_procs=0.0), plan, reroute_slots=slots).t_step
             quiet.append(abs(alone - measured) / measured)
             shared.append(est.cpu_share > 1)
             print(f"{name:<13} {run['procs']:>5} {est.t_step:>8.4f} {measured:>8.4f} "
@@ -175,20 +186,25 @@ def main() -> None:
                   f"{est.cpu_share:.3g} × (sync {est.sync:.4f} in {est.sync_rounds} rounds + optimizer "
                   f"{est.optimizer:.4f}) + commit {now.commit_s:.4f}", flush=True)
             if plan.reroutes:
-                eq13 = {slots: estimate_step(now, plan, reroute_slots=slots).t_step for slots in ("max", "sum")}
-                for slots, t in (("schedule", est.t_step), *eq13.items()):
-                    rerouted[slots].append(abs(t - measured) / measured)
-                print("  (Eq. 13 instead: " + ", ".join(
-                    f"{k} {v:.4f} s {100 * (v - measured) / measured:+.1f}%" for k, v in eq13.items()) + ")")
+                others = {k: estimate_step(now, plan, reroute_slots=k).t_step for k in REROUTE_SLOTS if k != slots}
+                for k, t in ((slots, est.t_step), *others.items()):
+                    rerouted[k].append(abs(t - measured) / measured)
+                print(f"  (reroute_slots={slots} above; instead: " + ", ".join(
+                    f"{k} {v:.4f} s {100 * (v - measured) / measured:+.1f}%" for k, v in others.items()) + ")")
     if args.save:
         Path(args.save).write_text(json.dumps({"profile": profile.to_dict(), "runs": runs}, indent=1))
     print(f"median |error| {100 * statistics.median(errors):.1f}% over {len(errors)} plans "
           f"(goal ≤ 10%); max {100 * max(errors):.1f}% (goal ≤ 25%)")
     print(f"  ignoring others' jobs (column quiet): median |error| {100 * statistics.median(quiet):.1f}%, "
           f"max {100 * max(quiet):.1f}%")
-    if rerouted["schedule"]:
-        print(f"  rerouted plans ({len(rerouted['schedule'])}), median |error| by reroute_slots: " + ", ".join(
-            f"{k} {100 * statistics.median(v):.1f}%" for k, v in rerouted.items()))
+    if tp_errors:
+        print(f"  TP plans ({len(tp_errors)}): |error| " + ", ".join(f"{100 * e:.1f}%" for e in tp_errors)
+              + f" (goal ≤ 15% each; {sum(e <= 0.15 for e in tp_errors)} met)")
+    if any(rerouted.values()):
+        modes = sorted(REROUTE_SLOTS, key=lambda k: k != runtime_slots)
+        print(f"  rerouted plans ({len(rerouted[runtime_slots])}), median |error| by reroute_slots: " + ", ".join(
+            f"{k}{' (the runtime policy)' if k == runtime_slots else ''} {100 * statistics.median(rerouted[k]):.1f}%"
+            for k in modes))
     for label, group in (("processes ≤ cores", False), ("processes > cores", True)):
         part = [e for e, s in zip(errors, shared) if s == group]
         if part:

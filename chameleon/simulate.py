@@ -10,12 +10,15 @@ Example::
     python -m chameleon.sim.report multirun/DATE/TIME     # one table across the sweep
     python -m chameleon.simulate +recipe=llama7b cluster=ascend910b_32 trace=llama3 \\
         sim.horizon_h=1296                                # Llama 3's fault rate, 54 days
+    python -m chameleon.simulate +recipe=llama70b cluster=h100_32 cluster.n_devices=512 trace=falcon \\
+        sim.horizon_h=72                                  # fail-stop faults and fail-slow devices
 
 Every policy in ``sim.policies`` (Chameleon's and the baselines of
 :mod:`chameleon.sim.baselines`) runs on the same trace from the same plan
 (:func:`starting_plan`), driving the real planner, estimator and selector; every
 ratio divides by the planner's best failure-free plan on the whole cluster. The run
-dir gets ``summary.json`` (every run, its time breakdown and each recovery),
+dir gets ``summary.json`` (every run, its time breakdown by
+:data:`~chameleon.report.breakdown.TIME_PARTS`, its ETTR and each recovery),
 ``table.md``, ``throughput.png`` and ``breakdown.png``.
 """
 
@@ -29,7 +32,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from chameleon import cli
-from chameleon.config import CONF_DIR, ConfigError, build_plan, model_config, register_configs, typed
+from chameleon.config import CONF_DIR, ConfigError, FaultToleranceConfig, build_plan, model_config, register_configs, typed
 from chameleon.decision.config import ClusterConfig, PolicyConfig
 from chameleon.decision.profiler import load_profile
 from chameleon.layout.geometry import tp_units
@@ -40,7 +43,7 @@ from chameleon.sim import report
 from chameleon.sim.config import SimConfig, SimPolicy, TraceConfig
 from chameleon.sim.engine import RunResult, Setup, simulate
 from chameleon.sim.policies import Planning
-from chameleon.sim.traces import Event, build_trace, describe, node_devices, nominal_mtbf_s, read_csv
+from chameleon.sim.traces import Event, build_trace, describe, node_devices, nominal_mtbf_s, nominal_slow_mtbf_s, read_csv
 
 USAGE = """
 usage: python -m chameleon.simulate [+recipe=NAME] [cluster=NAME] [trace=KIND] [sim.horizon_h=H] [KEY=VALUE ...]
@@ -48,7 +51,9 @@ usage: python -m chameleon.simulate [+recipe=NAME] [cluster=NAME] [trace=KIND] [
 Days of training on a large cluster under a fault trace, in seconds: every policy of sim.policies on
 the same trace, each decision made by the real planner, estimator and selector. Traces: poisson
 (per-device and per-node MTBFs, repairs), oobleck (a node removed every trace.interval_s), csv
-(an Oobleck-format file, trace.path=FILE: lines ms,add|remove,nodeX), none.
+(an Oobleck-format file, trace.path=FILE: lines ms,add|remove,nodeX), none; any of them with fail-slow
+devices (trace.slow_rate_per_device_h, trace.slow_factor, trace.slow_duration_s), and falcon: Llama 3's
+fault rate with fail-slow devices in the range of Alibaba's FALCON study.
 
   python -m chameleon.simulate                                    the tiny model on the 4 local devices, faults at a
                                                                   demonstration rate (trace=demo: a device a day)
@@ -75,6 +80,11 @@ def check(cfg: DictConfig) -> None:
     _require(trace.device_mtbf_h > 0, f"trace.device_mtbf_h={trace.device_mtbf_h}: must be > 0")
     _require(trace.node_mtbf_h is None or trace.node_mtbf_h > 0, f"trace.node_mtbf_h={trace.node_mtbf_h}: null or > 0")
     _require(trace.repair_h is None or trace.repair_h >= 0, f"trace.repair_h={trace.repair_h}: null or ≥ 0")
+    _require(trace.slow_rate_per_device_h >= 0, f"trace.slow_rate_per_device_h={trace.slow_rate_per_device_h}: must be ≥ 0 "
+             "(0: no fail-slow device)")
+    _require_range("trace.slow_factor", trace.slow_factor, low=1.0, what="time factors ≥ 1")
+    _require_range("trace.slow_duration_s", trace.slow_duration_s, low=0.0, what="seconds > 0", strict=True)
+    _require(sim.failstop.detect_s >= 0, f"sim.failstop.detect_s={sim.failstop.detect_s}: must be ≥ 0")
     if trace.kind == "csv":
         _check_csv(trace, n_devices=cluster.n_devices)
     if sim.initial == "recipe":
@@ -99,6 +109,12 @@ def _check_csv(trace: TraceConfig, *, n_devices: int) -> None:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _require_range(key: str, value: list[float], *, low: float, what: str, strict: bool = False) -> None:
+    """``value`` is ``[low, high]`` with ``low ≤ high``, both above ``low`` (at or above it unless ``strict``)."""
+    ok = len(value) == 2 and value[0] <= value[1] and (value[0] > low if strict else value[0] >= low)
+    _require(ok, f"{key}={list(value)}: give [low, high], {what}, low ≤ high")
 
 
 def _require_whole_cluster(plan: Plan, *, n_devices: int) -> None:
@@ -126,7 +142,10 @@ def prepare(cfg: DictConfig) -> tuple[Setup, tuple[Event, ...], float, SimConfig
     events = build_trace(trace, n_devices=cluster.n_devices, devices_per_node=cluster.devices_per_node, horizon_s=horizon_s)
     mtbf = nominal_mtbf_s(trace, n_devices=cluster.n_devices, devices_per_node=cluster.devices_per_node, events=events, horizon_s=horizon_s)
     domains = fault_domains(trace, n_devices=cluster.n_devices)
-    return Setup(planning, plan, reference, policy, sim, mtbf, cluster.n_devices, domains), events, horizon_s, sim
+    setup = Setup(planning, plan, reference, policy, sim, mtbf, cluster.n_devices, domains,
+                  slow_mtbf_s=nominal_slow_mtbf_s(trace, n_devices=cluster.n_devices), ft=typed(cfg, "ft", FaultToleranceConfig),
+                  tp_sizes=model_config(cfg).tp_sizes)
+    return setup, events, horizon_s, sim
 
 
 def fault_domains(trace: TraceConfig, *, n_devices: int) -> tuple[tuple[int, ...], ...] | None:
@@ -200,9 +219,10 @@ def _job(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out = Path(hydra_cfg.runtime.output_dir)
     text = write_outputs(results, events, out, overrides=list(hydra_cfg.overrides.task), plots=cfg.sim.plots)
-    faults = sum(e.kind == "remove" for e in events)
-    print(f"trace={hydra_cfg.runtime.choices.trace} ({describe(typed(cfg, 'trace', TraceConfig))}): {faults} faults and "
-          f"{len(events) - faults} re-joins within {cfg.sim.horizon_h:g} h; outputs in {out}\n{text}")
+    kinds = {kind: sum(e.kind == kind for e in events) for kind in ("remove", "add", "slow")}
+    slow = f", {kinds['slow']} devices slowed down" if kinds["slow"] else ""
+    print(f"trace={hydra_cfg.runtime.choices.trace} ({describe(typed(cfg, 'trace', TraceConfig))}): {kinds['remove']} faults and "
+          f"{kinds['add']} re-joins{slow} within {cfg.sim.horizon_h:g} h; outputs in {out}\n{text}")
     print(json.dumps({r.policy: round(r.throughput, 4) for r in results}))
 
 

@@ -37,6 +37,12 @@ def test_bench_simulator_quick():
     assert "**chameleon:" in proc.stdout and "faults handled" in proc.stdout
 
 
+def test_bench_sim_slow_quick():
+    proc = run("bench_sim_slow.py", "--quick")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| chameleon |" in proc.stdout and "| failstop |" in proc.stdout and "goal (chameleon ahead" in proc.stdout
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
                     reason="torchft is not installed: pip install -e '.[peers]' (torchft==0.2.0) to run bench_torchft")
 def test_bench_torchft_quick(tmp_path):

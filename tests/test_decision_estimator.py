@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from chameleon.decision import estimator as est
 from chameleon.decision.config import ClusterConfig
-from chameleon.decision.profiler import Profile, analytic_profile
+from chameleon.decision.profiler import Profile, TPTerms, analytic_profile, with_tensor_parallel
 from chameleon.layout.plan import even_plan
 from chameleon.model.config import ModelConfig
 
@@ -261,3 +261,36 @@ def test_other_jobs_slow_every_process_fairly():
     assert est.shared_compute(replace(prof, background_procs=3.0), one) == pytest.approx(2 * alone)
     assert est.cpu_share(replace(prof, background_procs=3.0), one) == pytest.approx(2.0)
     assert est.shared_compute(replace(prof, background_procs=0.5), one) == pytest.approx(alone)  # a core is free
+
+
+def test_a_stage_of_another_tp_size_takes_that_sizes_tp_terms():
+    base = tiny_profile(tp_terms=(TPTerms(2, 0.3, 0.5), TPTerms(4, 0.6, 0.9)))  # made-up TP terms of sizes 2 and 4
+    at = {1: base, 2: with_tensor_parallel(base, 2), 4: with_tensor_parallel(base, 4)}
+    assert at[4].layer_fwd_s == pytest.approx(base.layer_fwd_s / 4 + 0.6)
+    assert at[2].layer_bwd_s == pytest.approx(base.layer_bwd_s / 2 + 0.5)
+    for profile in at.values():  # whichever TP size the running plan has, a stage of size t is priced alike
+        for tp, own in at.items():
+            assert est.stage_cost(profile, 3, first=False, last=True, tp=tp) == pytest.approx(
+                est.stage_cost(own, 3, first=False, last=True))
+    analytic = tiny_profile(tp=2)  # no TP terms: the layer's compute alone, split
+    assert est.stage_cost(analytic, 3, first=False, last=False, tp=1)[0] == pytest.approx(
+        3 * 2 * analytic.layer_fwd_s + analytic.p2p_latency_s + analytic.boundary_bytes / analytic.p2p_bw)
+
+
+def test_tp_waits_leave_the_cores_to_others():
+    """While a TP mesh waits on its all-reduces with no thread on a core (the idle part of its TP terms), a mesh
+    sharing its cores runs at full speed; the wait itself is not stretched."""
+    base = replace(tiny_profile(n_layers=2), devices_per_node=64, host_cores=2.0)
+    plan = even_plan(dp=2, pp=1, tp=2, n_layers=2, global_batch=2, micro_batch=1)  # 2 meshes of 2 on 2 cores
+
+    def at(idle: float) -> Profile:  # the TP terms' ``idle`` part spent waiting
+        return with_tensor_parallel(replace(base, tp_terms=(TPTerms(2, 0.4, 0.6, idle * 0.4, idle * 0.6),)), 2)
+
+    fwd, bwd = est.stage_cost(at(0.5), 2, first=True, last=True)  # 2 layers: 0.4 s and 0.6 s of waits
+    # Both meshes at once: their work at half a core's speed, then their waits side by side.
+    assert est.shared_compute(at(0.5), plan) == pytest.approx(2 * (fwd - 0.4) + 0.4 + 2 * (bwd - 0.6) + 0.6)
+    assert est.shared_compute(at(0.0), plan) == pytest.approx(2 * (fwd + bwd))  # all work: every op stretched
+    assert est.shared_compute(at(0.0), plan) > est.shared_compute(at(0.5), plan) > est.shared_compute(at(1.0), plan)
+    # Cores for everyone: the waits change nothing, the schedule's longest path.
+    roomy = replace(at(0.5), host_cores=64.0)
+    assert est.shared_compute(roomy, plan) == pytest.approx(est.schedule_time(roomy, plan))

@@ -8,7 +8,6 @@ geometry: every live device, survivors of broken TP stages regrouped into units.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +71,7 @@ class Coordinator:
         self.profile, self.planner, self.policy = profile, planner, policy
         self.checkpoint_steps, self.domains = checkpoint_steps, domains
         self.model, self.spec = model, spec_of(model)
-        heads = math.gcd(model.n_heads, model.n_kv_heads)
-        self.tp_sizes = tuple(t for t in range(1, heads + 1) if heads % t == 0)  # what a re-formed TP group may be
+        self.tp_sizes = model.tp_sizes  # what a re-formed TP group may be
         self.shapes = self.spec.param_shapes(model)
         self._estimated: tuple[Plan | None, float] = (None, 0.0)
         self._layouts: list[tuple[Plan, Layout]] = []

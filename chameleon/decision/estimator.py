@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from types import MappingProxyType
 
-from chameleon.decision.profiler import Profile
+from chameleon.decision.profiler import Profile, ring_all_reduce_s
 from chameleon.layout import memory
 from chameleon.layout.geometry import geometry_of, per_device
 from chameleon.layout.plan import Plan, Stage
@@ -57,11 +57,11 @@ class StepEstimate:
 
 def stage_cost(profile: Profile, n_layers: int, *, first: bool, last: bool, tp: int = 0) -> tuple[float, float]:
     """Forward and backward seconds per micro-batch of a stage, including its p2p sends; its layers at TP size
-    ``tp`` (0: the profile's) take ``profile.tp / tp`` times the profile's time."""
+    ``tp`` (0: the profile's) as :meth:`~chameleon.decision.profiler.Profile.layer_s` prices them."""
     p2p = profile.p2p_latency_s + profile.boundary_bytes / profile.p2p_bw
-    layers = n_layers * (profile.tp / tp if tp else 1.0)
-    fwd = layers * profile.layer_fwd_s + (profile.first_fwd_s if first else 0.0)
-    bwd = layers * profile.layer_bwd_s + (profile.first_bwd_s if first else 0.0)
+    layer_fwd, layer_bwd = profile.layer_s(tp)
+    fwd = n_layers * layer_fwd + (profile.first_fwd_s if first else 0.0)
+    bwd = n_layers * layer_bwd + (profile.first_bwd_s if first else 0.0)
     if last:
         fwd += profile.last_fwd_s
         bwd += profile.last_bwd_s
@@ -140,8 +140,7 @@ def slowdown(speeds: Speeds, devices: Sequence[int]) -> float:
 
 
 def _pipeline_costs(profile: Profile, stages: tuple[Stage, ...], speeds: Speeds = EVEN) -> tuple[list[float], list[float]]:
-    """Forward and backward seconds per micro-batch of each stage, at its devices' speed and TP size (a stage of
-    another TP size than the profile's computes its layers ``profile.tp / tp`` times as long)."""
+    """Forward and backward seconds per micro-batch of each stage, at its devices' speed and TP size."""
     last = len(stages) - 1
     costs = [stage_cost(profile, st.n_layers, first=s == 0, last=s == last, tp=st.tp) for s, st in enumerate(stages)]
     factors = [slowdown(speeds, st.devices) for st in stages]
@@ -150,10 +149,7 @@ def _pipeline_costs(profile: Profile, stages: tuple[Stage, ...], speeds: Speeds 
 
 def allreduce_time(profile: Profile, group_size: int, params: float) -> float:
     """Ring all-reduce of ``params`` gradient elements per device over ``group_size`` devices."""
-    if group_size < 2:
-        return 0.0
-    nbytes = params * profile.state.grad
-    return profile.dp_latency_s + 2 * (group_size - 1) / group_size * nbytes / profile.dp_bw
+    return ring_all_reduce_s(profile.dp_latency_s, profile.dp_bw, params * profile.state.grad, group_size)
 
 
 def sync_time(profile: Profile, plan: Plan) -> tuple[float, int]:
@@ -220,6 +216,17 @@ def _op_costs(profile: Profile, plan: Plan, speeds: Speeds = EVEN) -> dict[tuple
     return out
 
 
+def _op_idle(profile: Profile, plan: Plan) -> dict[tuple[str, int, int], float]:
+    """Seconds of each op (keyed as :func:`_op_costs`) its processes wait with no thread on a core: its layers'
+    TP all-reduces' idle part (:class:`~chameleon.decision.profiler.TPTerms`)."""
+    out = {}
+    for j, p in enumerate(plan.pipelines):
+        for s, st in enumerate(p.stages):
+            terms = profile.tp_extra(st.tp or profile.tp)
+            out["F", j, s], out["B", j, s] = st.n_layers * terms.fwd_idle_s, st.n_layers * terms.bwd_idle_s
+    return out
+
+
 def _executors(profile: Profile, plan: Plan, *, merged: bool) -> list[tuple[int, int, list[Action]]]:
     """``(node, processes, actions)`` of every TP mesh of the step.
 
@@ -280,13 +287,15 @@ def shared_compute(profile: Profile, plan: Plan, *, merged: bool = True, speeds:
     :func:`_executors` for ``merged``) once their inputs are done, and while ``n``
     processes on a node with ``C`` cores run ops, each progresses at
     ``min(1, C/(n + background))`` (``profile.background_procs`` of other jobs); a
-    waiting process uses no core. Equals :func:`schedule_time` when no node has
-    more busy processes than cores.
+    waiting process uses no core — between ops, and for the idle part of an op's TP
+    all-reduces (:func:`_op_idle`), which runs after its work at full speed. Equals
+    :func:`schedule_time` when no node has more busy processes than cores.
     """
-    cost, units = _op_costs(profile, plan, speeds), _executors(profile, plan, merged=merged)
+    cost, idle = _op_costs(profile, plan, speeds), _op_idle(profile, plan)
+    units = _executors(profile, plan, merged=merged)
     done: set[Action] = set()
     pos = [0] * len(units)
-    left: dict[int, float] = {}  # unit -> work left of its running op
+    left: dict[int, list[float]] = {}  # unit -> [work, idle seconds] left of its running op
     now = 0.0
     while True:
         for u, (_, _, actions) in enumerate(units):
@@ -295,21 +304,28 @@ def shared_compute(profile: Profile, plan: Plan, *, merged: bool = True, speeds:
             action = actions[pos[u]]
             dep = dependency(plan, action)
             if dep is None or dep in done:
-                left[u] = cost[action.kind, action.pipeline, action.stage]
+                key = action.kind, action.pipeline, action.stage
+                wait = min(idle[key], cost[key])
+                left[u] = [cost[key] - wait, wait]
         if not left:
             return now
         busy: Counter = Counter()
-        for u in left:
-            busy[units[u][0]] += units[u][1]
-        rate = {u: min(1.0, profile.host_cores / (busy[units[u][0]] + profile.background_procs)) for u in left}
-        step = min(left[u] / rate[u] for u in left)
+        for u, (work, _) in left.items():
+            busy[units[u][0]] += units[u][1] if work > 0 else 0
+        rate = {u: min(1.0, profile.host_cores / (busy[units[u][0]] + profile.background_procs)) if work > 0 else 1.0
+                for u, (work, _) in left.items()}
+        step = min((work or wait) / rate[u] for u, (work, wait) in left.items())
         now += step
+        tiny = 1e-12 * max(1.0, now)
         for u in list(left):
-            left[u] -= step * rate[u]
-            if left[u] <= 1e-12 * max(1.0, now):
-                done.add(units[u][2][pos[u]])
-                pos[u] += 1
-                del left[u]
+            phase = 0 if left[u][0] > 0 else 1
+            left[u][phase] -= step * rate[u]
+            if left[u][phase] <= tiny:
+                left[u][phase] = 0.0
+                if phase == 1 or left[u][1] <= tiny:
+                    done.add(units[u][2][pos[u]])
+                    pos[u] += 1
+                    del left[u]
 
 
 def estimate_step(profile: Profile, plan: Plan, *, reroute_slots: str = "schedule", speeds: Speeds = EVEN) -> StepEstimate:

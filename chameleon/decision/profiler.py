@@ -3,9 +3,10 @@
 A :class:`Profile` is the estimator's only input about hardware. ``kind=local``
 measures this machine for real — per-layer forward/backward time of the model
 spec's ``stage_forward`` (:mod:`chameleon.model.spec`), the embedding and head extras, the
-bytes a forward keeps for its backward, an AdamW step (:func:`chameleon.optim.adamw`), and gloo
-point-to-point, all-reduce and group-creation costs with a few real processes —
-and caches the result as JSON.
+bytes a forward keeps for its backward, an AdamW step (:func:`chameleon.optim.adamw`), gloo
+point-to-point, all-reduce and group-creation costs with a few real processes, and a real
+tensor-parallel layer across ``tp`` gloo processes for each TP size this host can give a core
+per process — and caches the result as JSON.
 ``kind=analytic`` derives the same fields from datasheet figures and the spec's
 FLOPs (about 6·params·tokens, fwd:bwd = 1:2) for hardware we cannot run.
 """
@@ -21,9 +22,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,9 +38,22 @@ from torch.utils._pytree import tree_leaves
 from chameleon.decision.config import ClusterConfig
 from chameleon.layout.geometry import ELEMENT_BYTES, StateBytes, UnitParams, state_bytes
 from chameleon.layout.memory import MemoryCosts
+from chameleon.layout.spec import placements_for, shard_region
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
 from chameleon.optim import adamw, init_moments
+
+
+class TPTerms(NamedTuple):
+    """Seconds a layer's forward and backward take per micro-batch at TP size ``tp`` beyond its compute ÷ ``tp``
+    (its all-reduces, their hand-off to a waiter thread, their contention with compute), and the part of each
+    its process spends waiting with no thread on a core."""
+
+    tp: int
+    fwd_s: float
+    bwd_s: float
+    fwd_idle_s: float = 0.0
+    bwd_idle_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -49,7 +66,8 @@ class Profile:
     from it (:attr:`state`). Bandwidths are bytes/s. ``host_cores`` is set for CPU
     devices (worker processes), which time-share their node's cores with each other
     and with ``background_procs`` busy processes of other jobs. Compute times are CPU
-    times: what an op costs on a core of its own.
+    times: what an op costs on a core of its own. ``tp_terms`` prices a stage of any TP size
+    (:meth:`layer_s`, :class:`TPTerms`); a size not listed adds nothing (an analytic profile's layers).
     """
 
     key: str
@@ -91,6 +109,23 @@ class Profile:
     shadow_bytes_per_param: float = 0.0  # another stage's state also kept per parameter (a simulated Bamboo's shadow)
     recompute: str = "none"  # train.recompute the layer costs were taken under (backward times include it)
     layer_rebuilt_bytes: int = 0  # what a layer's backward rebuilds at once under recompute (one micro-batch)
+    tp_terms: tuple[TPTerms, ...] = ()  # what a layer adds at each TP size (measured profiles)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Profile:
+        """The profile :meth:`to_dict` wrote (JSON lists made :class:`TPTerms` again)."""
+        return cls(**{**data, "tp_terms": tuple(TPTerms(*terms) for terms in data.get("tp_terms", ()))})
+
+    def tp_extra(self, tp: int) -> TPTerms:
+        """The TP terms of size ``tp`` (not listed: nothing)."""
+        return next((terms for terms in self.tp_terms if terms.tp == tp), TPTerms(tp, 0.0, 0.0))
+
+    def layer_s(self, tp: int = 0) -> tuple[float, float]:
+        """Forward and backward seconds of one layer per micro-batch on a stage of TP size ``tp`` (0: the
+        profile's): the profile's layer compute split ``tp`` ways plus that size's TP terms."""
+        own, extra = self.tp_extra(self.tp), self.tp_extra(tp or self.tp)
+        scale = self.tp / (tp or self.tp)
+        return (self.layer_fwd_s - own.fwd_s) * scale + extra.fwd_s, (self.layer_bwd_s - own.bwd_s) * scale + extra.bwd_s
 
     @property
     def state(self) -> StateBytes:
@@ -113,7 +148,7 @@ class Profile:
         return asdict(self)
 
 
-PROFILE_FORMAT = 5  # bumped whenever what a profile measures changes, so older cached profiles are measured anew
+PROFILE_FORMAT = 6  # bumped whenever what a profile measures changes, so older cached profiles are measured anew
 
 
 def profile_key(model: ModelConfig, *, micro_batch: int, seq_len: int, tp: int, device: str, recompute: str = "none") -> str:
@@ -145,7 +180,7 @@ def load_profile(
     path = Path(os.path.expanduser(cluster.cache_dir)) / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     if data.get("key") == key:
-        profile = Profile(**data)
+        profile = Profile.from_dict(data)
     else:
         profile = measure_profile(model, cluster, micro_batch=micro_batch, seq_len=seq_len, key=key, threads=threads,
                                   recompute=recompute)
@@ -157,22 +192,56 @@ def load_profile(
 def with_tensor_parallel(profile: Profile, tp: int) -> Profile:
     """A measured single-device profile turned into one of ``tp``-device stages (Megatron layout).
 
-    A transformer layer's compute splits ``tp`` ways, and each micro-batch adds
-    four all-reduces of the layer's activations over the TP group (after the
-    attention and MLP outputs forward, before their inputs backward). The
-    embedding and output head are replicated, so their costs stay whole.
+    A transformer layer's compute splits ``tp`` ways and adds the profile's TP terms of that
+    size (:meth:`Profile.layer_s`); its activations split too. The embedding and output head
+    are replicated, so their costs stay whole.
     """
-    all_reduce = profile.dp_latency_s + 2 * (tp - 1) / tp * profile.boundary_bytes / profile.dp_bw
-    rerun = 2 if profile.recompute == "full" else 0  # a recomputed layer's backward reruns its forward's two
+    fwd, bwd = profile.layer_s(tp)
     return replace(
         profile,
         key=f"{profile.key}_tp{tp}",
         tp=tp,
-        layer_fwd_s=profile.layer_fwd_s / tp + 2 * all_reduce,
-        layer_bwd_s=profile.layer_bwd_s / tp + (2 + rerun) * all_reduce,
+        layer_fwd_s=fwd,
+        layer_bwd_s=bwd,
         layer_act_bytes=profile.layer_act_bytes // tp,
         layer_rebuilt_bytes=profile.layer_rebuilt_bytes // tp,
     )
+
+
+def ring_all_reduce_s(latency_s: float, bandwidth: float, nbytes: float, group_size: int) -> float:
+    """A ring all-reduce of ``nbytes`` over ``group_size`` devices: ``α + 2(n−1)/n · bytes / bus bandwidth``."""
+    if group_size < 2:
+        return 0.0
+    return latency_s + 2 * (group_size - 1) / group_size * nbytes / bandwidth
+
+
+def count_tp_all_reduces(model: ModelConfig, params: dict[str, Tensor], x: Tensor, *, recompute: str) -> tuple[int, int]:
+    """All-reduces a Megatron layer runs per micro-batch, forward and backward, counted on the spec's own layer
+    (``params``, whole or a shard) under ``recompute``, whose backward reruns part of the forward."""
+    calls: list[Tensor] = []
+    ops = spec_of(model).tp_ops(calls.append)
+    out = spec_of(model).stage_forward(params, model, x, layers=(0, 1), first=False, last=False, tp=ops,
+                                       recompute=recompute)
+    forward = len(calls)
+    out.backward(torch.ones_like(out))
+    return forward, len(calls) - forward
+
+
+def tp_terms(sizes: Iterable[int], measured: dict[int, TPTerms], all_reduce: Callable[[int], float],
+             counts: tuple[int, int]) -> tuple[TPTerms, ...]:
+    """The TP terms of every size in ``sizes``: ``measured`` where it was, else those of the largest smaller
+    measured size (none below: size 1, which adds nothing) plus the growth of ``counts`` (forward, backward)
+    all-reduces from that size to this one as ``all_reduce(size)`` prices one (0 at size 1), spent waiting."""
+    out = []
+    for t in sorted(set(sizes) - {1}):
+        if t in measured:
+            out.append(measured[t])
+            continue
+        base = max((m for m in measured if m < t), default=1)
+        terms = measured.get(base, TPTerms(base, 0.0, 0.0))
+        fwd, bwd = (n * (all_reduce(t) - all_reduce(base)) for n in counts)
+        out.append(TPTerms(t, terms.fwd_s + fwd, terms.bwd_s + bwd, terms.fwd_idle_s + fwd, terms.bwd_idle_s + bwd))
+    return tuple(out)
 
 
 def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, seq_len: int, tp: int,
@@ -334,6 +403,15 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
     opt_s = _timed(lambda: adamw(layer, grads, moments, 1, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
                                  weight_decay=0.0)) / layer_p  # the update the runtime applies
     comm = measure_comm(n_procs=cluster.comm_procs)
+    cores = len(os.sched_getaffinity(0))
+    boundary = micro_batch * seq_len * model.dim * ELEMENT_BYTES["fp32"]
+    # TP sizes whose every process gets a core of its own, as the profile's times assume
+    timed = measure_tensor_parallel(model, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
+                                    sizes=[t for t in model.tp_sizes if 1 < t <= min(cluster.comm_procs, cores)])
+    beyond = {t: TPTerms(t, fwd - layer_f / t, bwd - layer_b / t, fwd_idle, bwd_idle)
+              for t, (fwd, bwd, fwd_idle, bwd_idle) in timed.items()}
+    activation_all_reduce = partial(ring_all_reduce_s, comm["allreduce_latency_s"], comm["allreduce_bw"], boundary)
+    counts = count_tp_all_reduces(model, params, hidden, recompute=recompute)
     memory = cluster.memory_gb * 1e9 if cluster.memory_gb is not None else _host_memory() / cluster.n_devices
     return Profile(
         key=key,
@@ -357,7 +435,7 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
         recompute=recompute,
         first_act_bytes=first_act,
         last_act_bytes=last_act,
-        boundary_bytes=micro_batch * seq_len * model.dim * ELEMENT_BYTES["fp32"],
+        boundary_bytes=boundary,
         memory_bytes=memory,
         p2p_bw=comm["p2p_bw"],
         p2p_latency_s=comm["p2p_latency_s"],
@@ -369,9 +447,100 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
         restart_s=cluster.restart_s,
         n_devices=cluster.n_devices,
         devices_per_node=cluster.devices_per_node,
-        host_cores=len(os.sched_getaffinity(0)),
+        host_cores=cores,
         commit_s=comm["commit_s"],
+        tp_terms=tp_terms(model.tp_sizes, beyond, activation_all_reduce, counts),
     )
+
+
+def measure_tensor_parallel(model: ModelConfig, *, micro_batch: int, seq_len: int, recompute: str,
+                            sizes: Iterable[int]) -> dict[int, tuple[float, float, float, float]]:
+    """Wall seconds of one real TP layer's forward and backward at each TP size in ``sizes``, and of each the
+    part its process spent with no thread on a core (wall − the process's CPU time).
+
+    ``max(sizes)`` gloo processes with this process's torch threads; for each size ``t`` the first
+    ``t`` run their shard of a layer (the spec's TP rules and ``tp_ops``), every all-reduce waited on
+    by handing ``Work.wait()`` to a waiter thread as the runtime's generation does. Each size keeps
+    the median of 16 rounds of 4 back-to-back micro-batches: a hand-off's wake-up varies from one to the
+    next, and the runtime pays the typical one. Wall time: on a busy host others' jobs count too.
+    """
+    import torch.multiprocessing as mp
+
+    sizes = sorted(sizes)
+    if not sizes:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tp.json"
+        mp.start_processes(
+            _tp_worker, args=(max(sizes), _free_port(), model, micro_batch, seq_len, recompute, sizes,
+                              torch.get_num_threads(), str(out)),
+            nprocs=max(sizes), start_method="spawn",
+        )
+        return {int(t): tuple(times) for t, times in json.loads(out.read_text()).items()}
+
+
+def _tp_worker(rank: int, world: int, port: int, model: ModelConfig, micro_batch: int, seq_len: int, recompute: str,
+               sizes: list[int], threads: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    times = {}
+    for tp in sizes:
+        group = dist.new_group(list(range(tp)))
+        if rank < tp:
+            times[tp] = _time_tp_layer(model, group, rank, tp, micro_batch=micro_batch, seq_len=seq_len,
+                                       recompute=recompute)
+        dist.barrier()
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def _clocks() -> tuple[float, float]:
+    """Wall and this process's CPU seconds now."""
+    return time.perf_counter(), time.process_time()
+
+
+def _time_tp_layer(model: ModelConfig, group, rank: int, tp: int, *, micro_batch: int, seq_len: int, recompute: str,
+                   rounds: int = 16, calls: int = 4) -> tuple[float, float, float, float]:
+    """Wall seconds of a forward and a backward of TP shard ``rank`` of one layer, and of each the seconds this
+    process had no thread on a core: the median over ``rounds`` of each round's mean over ``calls``."""
+    import torch.distributed as dist
+
+    spec = spec_of(model)
+    shapes, names = spec.param_shapes(model), spec.stage_param_names(model, (0, 1), first=False, last=False)
+    whole = spec.init_params(model, 0, names=names)
+    params = {}
+    for n in names:
+        region = shard_region(shapes[n], placements_for(n, rules=spec.tp_rules), rank, tp)
+        params[n] = whole[n][tuple(slice(*r) for r in region)].clone().requires_grad_()
+    torch.manual_seed(0)
+    x = torch.randn(micro_batch, seq_len, model.dim, requires_grad=True)
+    grad = torch.ones_like(x)
+    rounds_fwd, rounds_bwd = [], []  # per round: (wall, idle) seconds per call
+    with ThreadPoolExecutor(max_workers=1) as waiter:
+
+        def all_reduce(tensor: Tensor) -> None:
+            waiter.submit(dist.all_reduce(tensor, group=group, async_op=True).wait).result()
+
+        ops = spec.tp_ops(all_reduce)
+        for _ in range(rounds + 1):  # the first round warms up
+            dist.barrier(group=group)
+            clocks = []
+            for _ in range(calls):
+                start = _clocks()
+                out = spec.stage_forward(params, model, x, layers=(0, 1), first=False, last=False, tp=ops,
+                                         recompute=recompute)
+                middle = _clocks()
+                out.backward(grad)
+                clocks.append((start, middle, _clocks()))
+            for kept, (a, b) in ((rounds_fwd, (0, 1)), (rounds_bwd, (1, 2))):
+                wall = sum(c[b][0] - c[a][0] for c in clocks) / calls
+                cpu = sum(c[b][1] - c[a][1] for c in clocks) / calls
+                kept.append((wall, max(0.0, wall - cpu)))
+    (fwd_s, fwd_idle), (bwd_s, bwd_idle) = (map(statistics.median, zip(*kept[1:])) for kept in (rounds_fwd, rounds_bwd))
+    return fwd_s, bwd_s, fwd_idle, bwd_idle
 
 
 _SPIN = (

@@ -59,6 +59,12 @@ class ModelConfig:
         return self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor, self.rope_original_max_seq_len
 
     @property
+    def tp_sizes(self) -> tuple[int, ...]:
+        """The tensor-parallel sizes the heads allow: the divisors of ``gcd(n_heads, n_kv_heads)``."""
+        heads = math.gcd(self.n_heads, self.n_kv_heads)
+        return tuple(t for t in range(1, heads + 1) if heads % t == 0)
+
+    @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 

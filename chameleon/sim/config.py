@@ -8,12 +8,15 @@ from enum import StrEnum
 
 class SimPolicy(StrEnum):
     """``sim.policies``: the systems the simulator replays a trace under (Chameleon, its oracle, its fixed
-    strategies and the peers' baselines)."""
+    strategies, the peers' baselines and two answers to fail-slow devices: ``tolerate`` them, or ``failstop``,
+    treat each as failed)."""
 
     chameleon = "chameleon"
     oracle = "oracle"
     dynamic = "dynamic"
     reroute = "reroute"
+    tolerate = "tolerate"
+    failstop = "failstop"
     elaswave = "elaswave"
     oobleck = "oobleck"
     recycle = "recycle"
@@ -53,6 +56,10 @@ class TraceConfig:
     ``repair_h`` each removed node returns that long after its removal.
     ``csv``: an Oobleck-format file (``ms,add|remove,nodeX``) at ``path``.
     ``none``: no fault.
+
+    Any kind may add fail-slow episodes: each device slows down at exponential times, ``slow_rate_per_device_h``
+    onsets per device-hour (0: none), by a time factor drawn uniformly from ``slow_factor`` ``[low, high]``, for a
+    duration drawn log-uniformly from ``slow_duration_s`` ``[low, high]``, then recovers; one episode at a time.
     """
 
     kind: TraceKind = TraceKind.poisson  # poisson | oobleck | csv | none
@@ -67,6 +74,9 @@ class TraceConfig:
     n_removals: int = 15
     node_size: int = 1  # devices per trace node (oobleck, csv)
     path: str | None = None
+    slow_rate_per_device_h: float = 0.0
+    slow_factor: list[float] = field(default_factory=lambda: [1.2, 3.0])
+    slow_duration_s: list[float] = field(default_factory=lambda: [30.0, 36_000.0])
 
 
 @dataclass
@@ -101,6 +111,14 @@ class ElasWaveConfig:
 
 
 @dataclass
+class FailstopConfig:
+    """Fail-slow treated as fail-stop, the practice FALCON reports (arXiv 2410.12588): noticed by hand, then a
+    checkpoint-and-restart without the slow device."""
+
+    detect_s: float = 600.0  # an assumption: FALCON calls manual detection time-consuming but gives no figure
+
+
+@dataclass
 class SimConfig:
     """What to simulate: horizon, policies and outputs.
 
@@ -123,3 +141,4 @@ class SimConfig:
     bamboo: BambooConfig = field(default_factory=BambooConfig)
     torchft: TorchftConfig = field(default_factory=TorchftConfig)
     elaswave: ElasWaveConfig = field(default_factory=ElasWaveConfig)
+    failstop: FailstopConfig = field(default_factory=FailstopConfig)

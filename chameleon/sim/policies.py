@@ -1,15 +1,23 @@
 """How a simulated policy answers faults and re-joins; Chameleon's own policies.
 
-A policy is an object with a first plan and two handlers, :meth:`Policy.on_fault`
-and :meth:`Policy.on_rejoin`, each returning a :class:`Response` (the plan to run
-after a pause). Plans, step times and transitions come from the real planner and
-estimator through :class:`Planning`. Chameleon's policies are the selector
+A policy is an object with a first plan and three handlers, :meth:`Policy.on_fault`,
+:meth:`Policy.on_rejoin` and :meth:`Policy.on_slow`, each returning a :class:`Response` (the plan to run
+after a pause, the pause by part of the time breakdown). Plans, step times and transitions come from the
+real planner and estimator through :class:`Planning`. Chameleon's policies are the selector
 (:func:`chameleon.decision.selector.decide`) under different :class:`PolicyConfig`:
 
 - ``chameleon``: Eq. 8 and the next fault's cost over every candidate, ``D``
-  estimated online from the fault history.
-- ``oracle``: the same with the true time to the next fault (hindsight).
+  estimated online from the fault history; slow devices, once its detector has
+  seen ``ft.slow_window`` steps at their new speed, by
+  :func:`~chameleon.decision.selector.decide_slow` over ``ft.slow_expected_s``.
+- ``oracle``: the same with the true time to the next fault and the true end of
+  the slowness (hindsight).
 - ``dynamic`` / ``reroute``: Chameleon forced to re-plan / to reroute (Eq. 12/13).
+- ``tolerate``: Chameleon on faults, slow devices ignored (``ft.slow=off``).
+
+Every policy but ``chameleon`` and ``oracle`` trains on at the slow devices' pace
+(the engine stretches its step by the estimator's figure at their speeds);
+``failstop`` (:mod:`chameleon.sim.baselines.failstop`) restarts without them.
 
 Like the runtime, they write asynchronous checkpoints (the engine's Young/Daly
 writes, training on while they land) and fall back on the newest one when a
@@ -30,7 +38,7 @@ from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.planner import Planner, place, refill
 from chameleon.decision.profiler import Profile
-from chameleon.decision.selector import decide, decide_growth
+from chameleon.decision.selector import Candidate, decide, decide_growth, decide_slow
 from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage
 
@@ -39,7 +47,9 @@ Units = list[tuple[int, ...]]
 
 @dataclass(frozen=True)
 class Response:
-    """A policy's answer: the plan to run (None: the job cannot go on) after ``pause_s``."""
+    """A policy's answer: the plan to run (None: the job cannot go on) after ``pause_s``, at ``t_step`` with every
+    device at full speed; ``parts`` splits the pause by :data:`~chameleon.report.breakdown.TIME_PARTS` (None: all
+    of it ``restore``)."""
 
     plan: Plan | None
     pause_s: float
@@ -47,6 +57,20 @@ class Response:
     choice: str
     d_s: float = math.nan
     rollback: bool = False
+    parts: dict[str, float] | None = None
+
+    @property
+    def pause_parts(self) -> dict[str, float]:
+        return self.parts if self.parts is not None else {"restore": self.pause_s}
+
+
+def candidate_response(chosen: Candidate, d_s: float, *, t_step: float) -> Response:
+    """Move to the selector's ``chosen`` candidate: its plan search is ``decision``, the rest of its transition
+    ``restore``; a checkpoint reload rolls back (the engine counts the progress it discards)."""
+    parts = {"decision": chosen.transition_parts.get("search", 0.0),
+             "restore": sum(s for k, s in chosen.transition_parts.items() if k not in ("search", "lost_progress"))}
+    return Response(chosen.plan, sum(parts.values()), t_step, chosen.name, d_s, rollback=chosen.name == "checkpoint",
+                    parts=parts)
 
 
 @dataclass(frozen=True)
@@ -75,6 +99,22 @@ class Rejoin:
     checkpoint_interval_s: float | None = None
 
 
+@dataclass(frozen=True)
+class SpeedChange:
+    """The devices a policy's detector finds slow at ``now_s`` (``speeds``: device → time factor, every device
+    noticed slow, dead ones included; empty: all back to speed); ``remaining_s`` is how long the longest of these
+    episodes truly goes on (the oracle's hindsight)."""
+
+    now_s: float
+    speeds: dict[int, float]
+    dead: frozenset[int]
+    fault_times: tuple[float, ...]
+    next_fault_s: float
+    remaining_s: float
+    checkpoint_age_s: float | None = None
+    checkpoint_interval_s: float | None = None
+
+
 class Planning:
     """One profile's planner and estimator, with plan shapes cached per unit count.
 
@@ -89,12 +129,23 @@ class Planning:
         self._shapes: dict[tuple[int, int, int], Plan | None] = {}
         self._even: dict[tuple[int, int, int], Plan | None] = {}
         self._steps: dict[Plan, float] = {}
+        self._slowdowns: dict[tuple[Plan, tuple[tuple[int, float], ...]], float] = {}
 
     def t_step(self, plan: Plan) -> float:
         """Estimated step time, cached per plan."""
         if plan not in self._steps:
             self._steps[plan] = est.estimate_step(self.profile, plan).t_step
         return self._steps[plan]
+
+    def slowdown(self, plan: Plan, speeds: est.Speeds) -> float:
+        """How many times longer ``plan``'s estimated step is at ``speeds`` than at full speed (1: none of its devices
+        is slow), cached."""
+        key = (plan, tuple(sorted((d, f) for d, f in speeds.items() if d in plan.device_set)))
+        if not key[1]:
+            return 1.0
+        if key not in self._slowdowns:
+            self._slowdowns[key] = est.estimate_step(self.profile, plan, speeds=dict(key[1])).t_step / self.t_step(plan)
+        return self._slowdowns[key]
 
     def best(self, units: Units, *, n_micro: int, micro_batch_size: int, previous: Plan | None = None) -> Plan | None:
         """The planner's best plan on every unit of ``units``, placed to move the least state from ``previous``.
@@ -180,8 +231,17 @@ class Policy:
         return self.setup.plan
 
     def t_step(self, plan: Plan) -> float:
-        """This policy's step time on ``plan``."""
+        """This policy's step time on ``plan``, every device at full speed."""
         return self.planning.t_step(plan)
+
+    def slowdown(self, plan: Plan, speeds: est.Speeds) -> float:
+        """How many times longer this policy's step on ``plan`` takes at ``speeds`` (its planning's estimate)."""
+        return self.planning.slowdown(plan, speeds)
+
+    @property
+    def checkpoint_mtbf_s(self) -> float:
+        """The mean time between the restarts its Young/Daly checkpoint interval is set for: the trace's faults."""
+        return self.setup.mtbf_s
 
     def on_fault(self, plan: Plan, fault: Fault) -> Response:
         raise NotImplementedError
@@ -190,13 +250,29 @@ class Policy:
         """Use returned devices; None keeps the plan (the default: returned devices idle)."""
         return None
 
+    def slow_delay_s(self, t_step: float, *, onset: bool) -> float | None:
+        """Seconds from a device's change of speed (``onset``: it slowed down) until this policy notices it, at a step
+        of ``t_step``; None: it never does (the default: it trains on at whatever pace the slowest device sets)."""
+        return None
+
+    def on_slow(self, plan: Plan, change: SpeedChange) -> Response | None:
+        """Answer the slow devices it noticed; None keeps the plan."""
+        return None
+
 
 class ChameleonPolicy(Policy):
-    """Chameleon's selector: Eq. 8 (``chameleon``, ``oracle``) or one strategy forced (``dynamic``, ``reroute``)."""
+    """Chameleon's selector: Eq. 8 (``chameleon``, ``oracle``, ``tolerate``) or one strategy forced (``dynamic``,
+    ``reroute``); slow devices decided by Eq. 8 too (``chameleon``, ``oracle``)."""
 
-    SELECTOR = {"chameleon": "chameleon", "oracle": "chameleon", "dynamic": "dynamic", "reroute": "reroute"}
+    SELECTOR = {"chameleon": "chameleon", "oracle": "chameleon", "dynamic": "dynamic", "reroute": "reroute",
+                "tolerate": "chameleon"}
+    SLOW_AWARE = ("chameleon", "oracle")
 
     checkpoints = "async"
+
+    def __init__(self, name: str, setup):
+        super().__init__(name, setup)
+        self.slow: set[int] = set()  # devices its detector last found slow: a re-plan after a fault leaves them idle
 
     def _config(self, next_fault_s: float) -> PolicyConfig:
         policy = self.setup.policy
@@ -210,18 +286,38 @@ class ChameleonPolicy(Policy):
             self.planning.profile, plan, failed, policy=self._config(fault.next_fault_s), planner=self.planning.planner,
             fault_times=list(fault.fault_times), elapsed_s=fault.now_s, precomputed=pre,
             checkpoint_age_s=fault.checkpoint_age_s, checkpoint_interval_s=fault.checkpoint_interval_s,
-            domains=self._domains(fault.dead), in_process=True, idle=idle,
+            domains=self._domains(fault.dead), in_process=True, idle=idle, tp_sizes=self.setup.tp_sizes,
         )
         chosen = decision.chosen
         if chosen is None:
             return Response(None, 0.0, math.inf, "halt", decision.d_s)
-        reload = chosen.name == "checkpoint"  # the engine discards the rolled-back progress itself
-        pause = chosen.transition - chosen.transition_parts.get("lost_progress", 0.0)
-        return Response(chosen.plan, pause, chosen.t_step, chosen.name, decision.d_s, rollback=reload)
+        return candidate_response(chosen, decision.d_s, t_step=chosen.t_step)
+
+    def slow_delay_s(self, t_step: float, *, onset: bool) -> float | None:
+        """The runtime's detector: ``ft.slow_window`` steps at the new speed (``ft.slow=off``, or a policy other than
+        ``chameleon`` and ``oracle``: never)."""
+        if self.name not in self.SLOW_AWARE or self.setup.ft.slow != "on":
+            return None
+        return self.setup.ft.slow_window * t_step
+
+    def on_slow(self, plan: Plan, change: SpeedChange) -> Response:
+        """Tolerate, rebalance, relayer, re-plan or evict by Eq. 8 over the slowness's expected remaining
+        ``ft.slow_expected_s`` (the oracle: its true remaining time); all back to speed, decided again (growing back)."""
+        self.slow = set(change.speeds)
+        live = {d: f for d, f in change.speeds.items() if d not in change.dead}
+        horizon = change.remaining_s if self.name == "oracle" else self.setup.ft.slow_expected_s
+        decision = decide_slow(
+            self.planning.profile, plan, live, policy=self._config(change.next_fault_s), planner=self.planning.planner,
+            horizon_s=horizon, idle=self._idle(plan, change.dead) | (set(live) - plan.device_set),
+            fault_times=list(change.fault_times), elapsed_s=change.now_s, checkpoint_age_s=change.checkpoint_age_s,
+            checkpoint_interval_s=change.checkpoint_interval_s, domains=self._domains(change.dead), in_process=True,
+        )
+        chosen = decision.chosen
+        return candidate_response(chosen, decision.d_s, t_step=self.planning.t_step(chosen.plan))
 
     def _idle(self, plan: Plan, dead) -> set[int]:
-        """Live devices ``plan`` leaves idle."""
-        return set(range(self.setup.n_devices)) - set(dead) - set(plan.devices)
+        """Live devices ``plan`` leaves idle, but for those found slow."""
+        return set(range(self.setup.n_devices)) - set(dead) - set(plan.devices) - self.slow
 
     def _domains(self, dead) -> tuple[tuple[int, ...], ...] | None:
         """The live devices of each fault domain of the setup (None: every device alone)."""

@@ -13,12 +13,14 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from chameleon.report.breakdown import TIME_PARTS  # noqa: E402
 from chameleon.sim.engine import RunResult  # noqa: E402
 from chameleon.sim.traces import Event  # noqa: E402
 
-PARTS = ("useful", "degraded", "transition", "lost")
-_COLUMNS = ("policy", "samples/s", "× chameleon", "/ reference", "own failure-free / ref.", "useful %", "degraded %",
-            "transition %", "lost %", "faults", "post/ref. 1st", "post/ref. mean", "choices")
+PARTS = tuple(p for p in TIME_PARTS if p not in ("evaluation", "startup"))  # the parts a simulation can have
+_COLUMNS = ("policy", "samples/s", "× chameleon", "/ reference", "own failure-free / ref.", "ETTR",
+            *(f"{p} %" for p in PARTS), "faults", "post/ref. 1st", "post/ref. mean", "choices")
+_MARKS = {"remove": "red", "add": "green", "slow": "orange"}  # the timeline's event lines
 
 
 def summary_row(run: dict, chameleon: float | None) -> list[str]:
@@ -32,7 +34,7 @@ def summary_row(run: dict, chameleon: float | None) -> list[str]:
     ref = run["reference_throughput"]
     return [
         run["policy"], f"{run['throughput']:.3f}", f"{chameleon / run['throughput']:.3f}" if chameleon and run["throughput"] else "—",
-        f"{run['throughput'] / ref:.3f}", f"{run['initial_throughput'] / ref:.3f}",
+        f"{run['throughput'] / ref:.3f}", f"{run['initial_throughput'] / ref:.3f}", f"{run['ettr']:.3f}",
         *(f"{share[k]:.1f}" for k in PARTS), str(len(faults)),
         f"{ratios[0]:.3f}" if ratios else "—", f"{statistics.fmean(ratios):.3f}" if ratios else "—",
         " ".join(f"{k}×{v}" for k, v in sorted(choices.items())) + (" (halted)" if run["halted_at"] is not None else ""),
@@ -55,7 +57,8 @@ def table(runs: list[dict], *, extra: dict[str, str] | None = None) -> str:
 
 
 def plot_timeline(results: list[RunResult], events: tuple[Event, ...], path: Path, *, title: str = "", bins: int = 200) -> Path:
-    """Throughput over time per policy, averaged over ``bins`` equal windows; faults red, re-joins green."""
+    """Throughput over time per policy, averaged over ``bins`` equal windows; faults red, re-joins green, devices
+    slowing down orange."""
     fig, ax = plt.subplots(figsize=(9, 3.6))
     edges = np.linspace(0.0, results[0].horizon_s, bins + 1)
     for res in results:
@@ -65,8 +68,8 @@ def plot_timeline(results: list[RunResult], events: tuple[Event, ...], path: Pat
             samples += rate * overlap
         ax.step(edges[1:] / 3600, samples / np.diff(edges), where="pre", label=res.policy, linewidth=1.2)
     for e in events:
-        if e.time_s < results[0].horizon_s:
-            ax.axvline(e.time_s / 3600, color="red" if e.kind == "remove" else "green", alpha=0.25, linewidth=0.8)
+        if e.time_s < results[0].horizon_s and e.kind in _MARKS:
+            ax.axvline(e.time_s / 3600, color=_MARKS[e.kind], alpha=0.25, linewidth=0.8)
     ax.set_xlabel("hours")
     ax.set_ylabel("samples/s")
     ax.set_title(title)
@@ -78,17 +81,17 @@ def plot_timeline(results: list[RunResult], events: tuple[Event, ...], path: Pat
 
 
 def plot_breakdown(runs: list[dict], path: Path, *, title: str = "") -> Path:
-    """Stacked bars per policy: the share of the horizon in each part, throughput annotated."""
+    """Stacked bars per policy: the share of the horizon in each part that occurs, throughput and ETTR annotated."""
     fig, ax = plt.subplots(figsize=(7, 3.4))
     bottom = [0.0] * len(runs)
-    for part in PARTS:
+    for part in (p for p in PARTS if any(r["breakdown"][p] > 0 for r in runs)):
         share = [100 * r["breakdown"][part] / r["horizon_s"] for r in runs]
         ax.bar([r["policy"] for r in runs], share, bottom=bottom, label=part)
         bottom = [b + s for b, s in zip(bottom, share)]
     for i, r in enumerate(runs):
-        ax.text(i, 101, f"{r['throughput']:.1f}", ha="center", fontsize=7)
-    ax.set_ylabel("% of horizon (samples/s above)")
-    ax.set_ylim(0, 110)
+        ax.text(i, 101, f"{r['throughput']:.1f}\n{r['ettr']:.2f}", ha="center", fontsize=6)
+    ax.set_ylabel("% of horizon (samples/s, ETTR above)")
+    ax.set_ylim(0, 116)
     ax.set_title(title)
     ax.tick_params(axis="x", labelrotation=30, labelsize=7)
     ax.legend(fontsize=7, ncol=4, loc="lower right")

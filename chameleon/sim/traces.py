@@ -1,11 +1,12 @@
-"""Fault traces: timed removals and re-joins of devices.
+"""Fault traces: timed removals and re-joins of devices, and fail-slow episodes.
 
 A trace is a sorted tuple of :class:`Event`. Oobleck's artifact traces are CSV
 lines ``ms,add|remove,nodeX``; :func:`read_csv` and :func:`write_csv` speak that
 format, :func:`oobleck_trace` generates its fixed-interval removals (optionally
 repaired) and :func:`poisson_trace` draws exponential device and node faults
 with repairs, at a rate given directly or derived from published incident
-counts (:func:`device_mtbf_h`).
+counts (:func:`device_mtbf_h`). :func:`slow_trace` adds fail-slow episodes to
+any of them: a device slows down by a factor, then recovers.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ _LINE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*,\s*(add|remove)\s*,\s*node(\d+)\s*$"
 
 @dataclass(frozen=True)
 class Event:
-    """At ``time_s`` the ``devices`` fail (``kind="remove"``) or come back (``"add"``)."""
+    """At ``time_s`` the ``devices`` fail (``kind="remove"``), come back (``"add"``), slow down (``"slow"``: each
+    op takes ``factor`` times as long) or get back to speed (``"recover"``)."""
 
     time_s: float
     kind: str
     devices: tuple[int, ...]
+    factor: float = 1.0
 
 
 def node_devices(node: int, node_size: int) -> tuple[int, ...]:
@@ -55,8 +58,10 @@ def read_csv(path: str | Path, *, node_size: int) -> tuple[Event, ...]:
 
 
 def write_csv(events: tuple[Event, ...], path: str | Path, *, node_size: int) -> Path:
-    """Write ``events`` (each a whole trace node) as ``ms,add|remove,nodeX`` lines."""
-    lines = [f"{round(e.time_s * 1000)},{e.kind},node{e.devices[0] // node_size}" for e in events]
+    """Write the removals and re-joins of ``events`` (each a whole trace node) as ``ms,add|remove,nodeX`` lines
+    (the format has no fail-slow episodes)."""
+    lines = [f"{round(e.time_s * 1000)},{e.kind},node{e.devices[0] // node_size}"
+             for e in events if e.kind in ("add", "remove")]
     Path(path).write_text("\n".join(lines) + "\n")
     return Path(path)
 
@@ -118,6 +123,28 @@ def poisson_trace(
     return _merge(events)
 
 
+def slow_trace(
+    *, n_devices: int, horizon_s: float, rate_per_device_h: float, factor: tuple[float, float],
+    duration_s: tuple[float, float], seed: int,
+) -> tuple[Event, ...]:
+    """Fail-slow episodes: each device slows down after exponential times (``rate_per_device_h`` onsets per
+    hour of being well), by a factor uniform in ``factor``, for a duration log-uniform in ``duration_s``, then
+    recovers (a ``recover`` event). One episode per device at a time.
+    Drawn from a stream of their own, so that adding them leaves a trace's faults as they were."""
+    if rate_per_device_h <= 0:
+        return ()
+    rng = np.random.default_rng([seed, 1])
+    mean_s = 3600 / rate_per_device_h
+    events = []
+    for device in range(n_devices):
+        t = rng.exponential(mean_s)
+        while t < horizon_s:
+            slow, length = rng.uniform(*factor), math.exp(rng.uniform(*np.log(duration_s)))
+            events += [Event(t, "slow", (device,), slow), Event(t + length, "recover", (device,))]
+            t += length + rng.exponential(mean_s)
+    return tuple(sorted(events, key=lambda e: e.time_s))
+
+
 def _merge(events: list[Event]) -> tuple[Event, ...]:
     out: dict[tuple[float, str], list[int]] = {}
     for e in sorted(events, key=lambda e: (e.time_s, e.kind != "add")):
@@ -151,6 +178,9 @@ def build_trace(cfg: TraceConfig, *, n_devices: int, devices_per_node: int, hori
         events = read_csv(cfg.path, node_size=cfg.node_size)
     else:
         raise ValueError(f"trace.kind={cfg.kind!r}: use poisson, oobleck, csv or none")
+    slow = slow_trace(n_devices=n_devices, horizon_s=horizon_s, rate_per_device_h=cfg.slow_rate_per_device_h,
+                      factor=tuple(cfg.slow_factor), duration_s=tuple(cfg.slow_duration_s), seed=cfg.seed)
+    events = tuple(sorted(events + slow, key=lambda e: e.time_s))
     return tuple(e for e in events if e.time_s < horizon_s and all(d < n_devices for d in e.devices))
 
 
@@ -171,7 +201,17 @@ def device_mtbf_h(cfg: TraceConfig) -> float:
 
 
 def describe(cfg: TraceConfig) -> str:
-    """What ``cfg`` draws, in words: its fault rate or source and whether failed devices return."""
+    """What ``cfg`` draws, in words: its fault rate or source, whether failed devices return, and its fail-slow
+    episodes."""
+    slow = ""
+    if cfg.slow_rate_per_device_h > 0:
+        (f_lo, f_hi), (d_lo, d_hi) = cfg.slow_factor, cfg.slow_duration_s
+        slow = (f"; each device slows ×{f_lo:g}–{f_hi:g} every {1 / cfg.slow_rate_per_device_h:,.0f} h on average, "
+                f"for {d_lo:g}–{d_hi:g} s")
+    return _faults(cfg) + slow
+
+
+def _faults(cfg: TraceConfig) -> str:
     back = "never back" if cfg.repair_h is None else f"back after {cfg.repair_h:g} h"
     if cfg.kind == "poisson":
         nodes = "" if cfg.node_mtbf_h is None else f", each node every {cfg.node_mtbf_h:,g} h"
@@ -195,3 +235,8 @@ def nominal_mtbf_s(cfg: TraceConfig, *, n_devices: int, devices_per_node: int, e
         return cfg.interval_s
     removals = sum(e.kind == "remove" for e in events)
     return horizon_s / max(removals, 1)
+
+
+def nominal_slow_mtbf_s(cfg: TraceConfig, *, n_devices: int) -> float:
+    """The cluster's mean time between fail-slow onsets (inf: none drawn)."""
+    return math.inf if cfg.slow_rate_per_device_h <= 0 else 3600 / (cfg.slow_rate_per_device_h * n_devices)

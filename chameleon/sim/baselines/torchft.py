@@ -8,7 +8,7 @@ Modelled:
   samples are dropped, so the global batch shrinks (``Manager.allreduce``
   averages over the participants).
 - The survivors pause for the stuck collective to time out before the next
-  quorum: ``sim.torchft.timeout_s`` (60 s, ``torchft.Manager``'s default
+  quorum (the breakdown's ``detection``): ``sim.torchft.timeout_s`` (60 s, ``torchft.Manager``'s default
   ``timeout``; ``benchmarks/bench_torchft.py`` measures this wait on gloo), then
   rebuild their process group (the estimator's group-creation cost).
 - A group heals once all its devices are back: it fetches weights and optimizer
@@ -42,8 +42,8 @@ class TorchftPolicy(Policy):
         if not kept:
             return Response(None, 0.0, float("inf"), "halt")
         new = Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=kept)
-        pause = self.setup.sim.torchft.timeout_s + est.rebuild_time(self.planning.profile, new)
-        return Response(new, pause, self.planning.t_step(new), "drop_replica")
+        parts = {"detection": self.setup.sim.torchft.timeout_s, "restore": est.rebuild_time(self.planning.profile, new)}
+        return Response(new, sum(parts.values()), self.planning.t_step(new), "drop_replica", parts=parts)
 
     def on_rejoin(self, plan: Plan, rejoin: Rejoin) -> Response | None:
         back = [p for p in self.dropped if not rejoin.dead & set(p.devices)]
