@@ -133,8 +133,8 @@ def test_a_node_with_a_shard_of_every_replica_lost_rebuilds_the_stage_from_the_r
     drift = Drift.between(runs[0].summary, runs[0].params, runs[1].summary, runs[1].params)
     got = assert_clean(cluster, run, (runs[0], drift))
     (recovery,) = got["recoveries"]
-    assert recovery["failed_ranks"] == [2, 3] and recovery["chosen"] == "dynamic"
-    assert "on 0,1,5" in got["plan"]  # a TP group of devices on nodes 0 and 2, each holding its shard
+    assert recovery["failed_ranks"] == [2, 3] and recovery["chosen"] == "reform"
+    assert got["plan"].count("pipe") == 2, got["plan"]  # both replicas re-formed at tp1: every layer keeps two holders
 
 
 @pytest.mark.full
