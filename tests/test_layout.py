@@ -177,19 +177,6 @@ def test_uneven_sync_with_tp_pairs_tp_indices():
     check_rounds(plan, tp=2)
 
 
-def test_mixed_tp_is_rejected():
-    plan = Plan(
-        n_layers=8,
-        micro_batch_size=1,
-        pipelines=(
-            Pipeline((Stage((0, 1), (0, 8)),), micro_batches=1),
-            Pipeline((Stage((2,), (0, 8)),), micro_batches=1),
-        ),
-    )
-    with pytest.raises(ValueError, match="TP sizes"):
-        geometry_of(plan)
-
-
 def test_dsatur_is_proper_and_exact_on_bipartite_graphs():
     rng = random.Random(0)
     for _ in range(50):
