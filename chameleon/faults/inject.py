@@ -99,13 +99,16 @@ class WorkerFaults:
             if f.step == step and (f.phase in STEP_PHASES or redo and f.phase == "redo"):
                 self._fire(f)
 
-    def pace(self, seconds: float) -> None:
-        """A forward, backward or probe took ``seconds``: while a ``slow`` fault lasts, it takes ``factor`` times
-        as long (the device sleeps the difference, leaving the host's cores to the others, as a throttled GPU would)."""
+    def pace(self, seconds: float) -> float:
+        """A forward, backward or probe computed ``seconds``: while a ``slow`` fault lasts, it takes ``factor``
+        times as long (the device sleeps the difference, leaving the host's cores to the others, as a throttled
+        GPU would). Returns the seconds it took in all."""
         if self._slow is not None:
             factor, until = self._slow
             if time.monotonic() < until:
                 time.sleep((factor - 1.0) * seconds)
+                return factor * seconds
+        return seconds
 
     def injected(self, fault: FaultSpec) -> None:
         """A ``slow`` fault the controller fired at its time: this device is slow from the step it starts next."""

@@ -7,7 +7,6 @@ devices exchanging several kinds of traffic can never mismatch them.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -23,6 +22,7 @@ from chameleon.layout.spec import Region, local_slices
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import TensorParallelOps, spec_of
 from chameleon.runtime.worker.comm import Generation
+from chameleon.runtime.worker.device import compute_clock
 from chameleon.runtime.worker.stage import StageState
 
 SyncRounds = tuple[tuple[SyncGroup, ...], ...]
@@ -48,18 +48,18 @@ class StepResult:
 
 
 class _Busy:
-    """Times a device's own compute (``with busy:``), paced by ``pace(seconds)`` (a slow fault stretches it)."""
+    """Times a device's own compute (``with busy:``) on its :func:`compute_clock`, paced by ``pace(seconds)``
+    (a slow fault stretches it, and the seconds it took in all are counted)."""
 
-    def __init__(self, pace: Callable[[float], None] | None):
-        self.pace, self.seconds = pace, 0.0
+    def __init__(self, pace: Callable[[float], float] | None, device: torch.device):
+        self.pace, self.clock, self.seconds = pace, compute_clock(device), 0.0
 
     def __enter__(self) -> None:
-        self.start = time.perf_counter()
+        self.start = self.clock()
 
     def __exit__(self, *exc) -> None:
-        if self.pace is not None and exc[0] is None:
-            self.pace(time.perf_counter() - self.start)
-        self.seconds += time.perf_counter() - self.start
+        took = self.clock() - self.start
+        self.seconds += self.pace(took) if self.pace is not None and exc[0] is None else took
 
 
 class _Forwards:
@@ -121,7 +121,7 @@ def run_step(
     tp: TensorParallelOps | None,
     norm_regions: Mapping[str, Region] | None = None,
     on_phase: Callable[..., None] | None = None,
-    pace: Callable[[float], None] | None = None,
+    pace: Callable[[float], float] | None = None,
 ) -> StepResult:
     """Forward and backward of this device's actions, the gradient sync, its part of the norm (no optimizer step).
 
@@ -139,7 +139,7 @@ def run_step(
     injection hook in there; ``pace(seconds)`` after each forward and backward (a slow device's, stretched).
     """
     scale = 1.0 / (train.global_batch * train.seq_len)
-    busy = _Busy(pace)
+    busy = _Busy(pace, state.device)
     forward = _Forwards(plan=plan, state=state, stream=stream, gen=gen, model=model, train=train, tp=tp, busy=busy)
     result = StepResult()
     saved: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -189,7 +189,7 @@ def evaluate(
     train: TrainConfig,
     tp: TensorParallelOps | None,
     on_phase: Callable[..., None] | None = None,
-    pace: Callable[[float], None] | None = None,
+    pace: Callable[[float], float] | None = None,
 ) -> float:
     """The validation loss before step ``step``, this device's part: forward only, nothing kept or committed.
 
@@ -201,7 +201,7 @@ def evaluate(
     step=step, detail=j)`` is called as batch ``j`` starts; ``pace`` as in :func:`run_step`.
     """
     forward = _Forwards(plan=plan, state=state, stream=stream, gen=gen, model=model, train=train, tp=tp,
-                        busy=_Busy(pace))
+                        busy=_Busy(pace, state.device))
     forwards = [a for a in actions if a.kind == "F"]
     total = torch.zeros((), dtype=torch.float64, device=state.device)
     with torch.no_grad():
