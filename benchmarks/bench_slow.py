@@ -19,7 +19,8 @@ the onset, the detection and any switch). Then, under Chameleon:
 
 - ``detected``: steps from the onset (step 10) to the verdict;
 - ``blip``: the device slow for about 3 of its slow steps (``failure.duration_s`` from
-  the tolerate run's slow step time): whether any plan changed (it should not);
+  the tolerate run's median slow step time; the steps it lasted into are counted, since
+  steps vary): whether any plan changed (it should not, unless it lasted a whole window);
 - ``back``: slow for about 15 slow steps, then at speed again: the steps from its speed's
   return to the verdict "back", and what Eq. 8 chose then (the job back on the device,
   or staying where it is when that trains faster).
@@ -95,8 +96,9 @@ def measure(workers: int, *, factor: float, steps: int, workdir: Path, extras: b
     }
     if extras:
         slow_s = slow_step_s(tol_m)
-        _, blip_e = run_job(workdir, f"blip{workers}", workers, steps, *slow, f"failure.step={ONSET}",
-                            f"failure.duration_s={3 * slow_s:.3f}")
+        blip_m, blip_e = run_job(workdir, f"blip{workers}", workers, steps, *slow, f"failure.step={ONSET}",
+                                 f"failure.duration_s={3 * slow_s:.3f}")
+        out["blip_steps"] = steps_within(blip_m, 3 * slow_s)
         out["blip_changed_plan"] = any(e["event"] == "reshape" and e["decision"]["choice"] != "tolerate" for e in blip_e)
         out["blip_verdicts"] = len(verdicts(blip_e))
         back_m, back_e = run_job(workdir, f"back{workers}", workers, steps + 20, *slow, f"failure.step={ONSET}",
@@ -105,10 +107,20 @@ def measure(workers: int, *, factor: float, steps: int, workdir: Path, extras: b
     return out
 
 
+def onset_time(metrics: list[dict]) -> float:
+    """When the onset step started (the slow fault's clock starts with it)."""
+    return min(m["time"] - m["step_time_s"] for m in metrics if m["step"] == ONSET)
+
+
+def steps_within(metrics: list[dict], duration_s: float) -> int:
+    """How many steps started while a slowness of ``duration_s`` from the onset lasted (steps vary: it may be 4)."""
+    end = onset_time(metrics) + duration_s
+    return len({m["step"] for m in metrics if m["step"] >= ONSET and m["time"] - m["step_time_s"] < end})
+
+
 def back_report(metrics: list[dict], events: list[dict], *, onset_duration_s: float) -> dict:
     """Steps from the device's speed returning to the verdict "back", and what was decided then."""
-    onset_t = min(m["time"] - m["step_time_s"] for m in metrics if m["step"] == ONSET)
-    returned = min((m["step"] for m in metrics if m["time"] >= onset_t + onset_duration_s), default=None)
+    returned = min((m["step"] for m in metrics if m["time"] >= onset_time(metrics) + onset_duration_s), default=None)
     back = [e for e in verdicts(events) if not e["slow"]]
     decided = [e for e in events if e["event"] == "reshape" and not e["slow"]]
     return {"speed_back_at_step": returned, "verdict_back_at_step": back[0]["step"] if back else None,
@@ -142,8 +154,8 @@ def main() -> None:
             print(f"  detected {r['detected_after_steps']} steps after the onset (goal ≤ 5); chameleon chose "
                   f"{r['chameleon_chose']}, best chose {r['best_chose']}")
             if "blip_changed_plan" in r:
-                print(f"  a 3-step blip: {r['blip_verdicts']} verdicts, plan changed: {r['blip_changed_plan']} "
-                      "(goal: no change)")
+                print(f"  a 3-step blip (it lasted into {r['blip_steps']} steps): {r['blip_verdicts']} verdicts, "
+                      f"plan changed: {r['blip_changed_plan']} (goal: no change)")
                 b = r["back"]
                 print(f"  speed back at step {b['speed_back_at_step']}: verdict 'back' at step "
                       f"{b['verdict_back_at_step']} ({b['steps_to_verdict']} steps; goal ≤ 10), then chose {b['chose']}")

@@ -4,10 +4,13 @@ recovered. Real workers, compared with the single-process reference."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from conftest import SMALL_RUN, TP_PARAMS, assert_nothing_lost, run_entry
 
-from chameleon.decision.selector import reform_plan
+from chameleon.decision import estimator as est
+from chameleon.decision.selector import reform_options, reform_plans
 from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import even_plan
 from tests.test_decision_estimator import tiny_profile
@@ -15,18 +18,35 @@ from tests.test_decision_estimator import tiny_profile
 TP4 = ("launcher.nproc_per_node=8", "parallel.dp=2", "parallel.tp=4", "model.n_kv_heads=4")
 
 
-def test_the_survivors_of_a_broken_tp4_group_re_form_at_tp2_keeping_two_holders_of_every_layer():
+def test_the_survivors_of_a_broken_tp4_group_re_form_at_smaller_tp_sizes_keeping_two_holders_of_every_layer():
     plan = even_plan(dp=2, pp=2, tp=4, n_layers=4, global_batch=8, micro_batch=1)  # pipe1: stages on 8–11, 12–15
-    reformed = reform_plan(tiny_profile(), plan, {9}, tp_sizes=(1, 2, 4))
-    (kept, pipe) = reformed.pipelines
-    assert kept.stages == plan.pipelines[0].stages and [st.tp for st in pipe.stages] == [2, 2]
-    assert pipe.stages[0].devices == (8, 10) and pipe.stages[1].devices == (12, 14)  # old shards 0 and 2: least moved
-    assert reformed.n_micro_batches == plan.n_micro_batches and kept.micro_batches > pipe.micro_batches
-    assert geometry_of(reformed).exposure(None) == 0.0 and geometry_of(reformed).lost({1}) == ()
-    assert [st.tp for st in reform_plan(tiny_profile(), plan, {9, 10, 11}, tp_sizes=(1, 2, 4)).pipelines[1].stages] \
-        == [1, 1], "one TP size per pipeline: the one its scarcest stage can fill"
+    options = reform_options(4, plan.pipelines[1], {9}, tp_sizes=(1, 2, 4))
+    assert [[(st.devices, st.layers) for st in o.stages] for o in options] == [
+        [((8, 10), (0, 2)), ((12, 14), (2, 4))],  # layers kept at tp2: old shards 0 and 2, least moved
+        [((8, 10, 11, 12), (0, 4))],  # every survivor it can use at tp4: one stage
+        [((8, 10), (0, 1)), ((12, 11), (1, 2)), ((13, 14), (2, 4))],  # at tp2: three stages
+        [((8,), (0, 1)), ((10,), (1, 2)), ((11,), (2, 3)), ((12,), (3, 4))],  # at tp1: one layer each
+    ]
+    least, fastest = reform_plans(tiny_profile(), plan, {9}, tp_sizes=(1, 2, 4))
+    assert least.pipelines[1].stages == options[0].stages and least.pipelines[0].stages == plan.pipelines[0].stages
+    assert fastest.pipelines[1].stages in [o.stages for o in options[1:]]
+    assert est.estimate_step(tiny_profile(), fastest).t_step < est.estimate_step(tiny_profile(), least).t_step
+    for reformed in (least, fastest):
+        assert reformed.n_micro_batches == plan.n_micro_batches
+        assert geometry_of(reformed).exposure(None) == 0.0 and geometry_of(reformed).lost({1}) == ()
+    assert [st.tp for st in reform_options(4, plan.pipelines[1], {9, 10, 11}, tp_sizes=(1, 2, 4))[0].stages] \
+        == [1, 1], "its layers kept: the TP size its scarcest stage can fill"
+    whole_stage = reform_options(4, plan.pipelines[1], {8, 9, 10, 11}, tp_sizes=(1, 2, 4))
+    assert whole_stage[0].stages[0].devices == (12, 13, 14, 15), "a whole stage lost: the other's survivors take all"
     with pytest.raises(ValueError, match="no broken TP group"):
-        reform_plan(tiny_profile(), plan, {8, 9, 10, 11}, tp_sizes=(1, 2, 4))  # a whole stage lost
+        reform_plans(tiny_profile(), plan, set(range(8, 16)), tp_sizes=(1, 2, 4))  # the whole pipeline lost
+
+
+def test_a_re_formed_group_that_would_not_fit_in_memory_is_not_weighed():
+    plan = even_plan(dp=2, pp=1, tp=4, n_layers=4, global_batch=8, micro_batch=1)
+    tp4_only = replace(tiny_profile(), memory_bytes=max(est.memory_per_device(tiny_profile(), plan).values()) * 1.01)
+    with pytest.raises(ValueError, match="within memory"):
+        reform_plans(tp4_only, plan, {5}, tp_sizes=(1, 2, 4))  # three survivors: tp2 or tp1 shards are larger
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ a re-plan — is the plan's :mod:`~chameleon.layout.geometry`, bytes per element
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -370,9 +371,12 @@ def rebalanced(profile: Profile, plan: Plan, speeds: Speeds) -> Plan:
         return plan
     costs = [_pipeline_costs(profile, p.stages, speeds) for p in plan.pipelines]
     counts = [1] * len(plan.pipelines)
+    longer = [(pipeline_time(*c, 2), j) for j, c in enumerate(costs)]  # each pipeline's time with one more
+    heapq.heapify(longer)
     for _ in range(plan.n_micro_batches - len(counts)):
-        j = min(range(len(counts)), key=lambda j: (pipeline_time(*costs[j], counts[j] + 1), j))
+        _, j = heapq.heappop(longer)
         counts[j] += 1
+        heapq.heappush(longer, (pipeline_time(*costs[j], counts[j] + 1), j))
     pipelines = tuple(replace(p, micro_batches=m) for p, m in zip(plan.pipelines, counts))
     return replace(plan, pipelines=pipelines)
 

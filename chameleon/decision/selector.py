@@ -3,8 +3,8 @@
 Candidates: ``reroute`` (orphan micro-batches to same-stage DP peers),
 ``dynamic`` (the planner's best plan on the survivors), ``redundant`` (the dead
 stage's layers move onto a pipeline neighbour, weights from a DP peer), ``reform``
-(the survivors of a broken TP group re-formed at a smaller TP size, the shards they
-lack from other replicas) and ``checkpoint`` (reload the newest checkpoint onto the planner's plan). Each is
+(the survivors of a broken TP group re-formed at a smaller TP size, its layers kept or
+over more stages, the state they lack from other replicas) and ``checkpoint`` (reload the newest checkpoint onto the planner's plan). Each is
 scored ``B / t_step · (D − T − p·C) / D``: Eq. 8's average throughput until the
 next fault, less what that fault is expected to cost on the candidate's plan —
 ``p`` the share of fault domains whose loss would leave some region of the state
@@ -34,7 +34,7 @@ from chameleon.decision.measured import Measured
 from chameleon.decision.planner import Planner, Precomputed, precompute
 from chameleon.decision.profiler import Profile
 from chameleon.layout.geometry import geometry_of
-from chameleon.layout.plan import Pipeline, Plan, PlanError, Reroute, Stage, validate_plan
+from chameleon.layout.plan import Pipeline, Plan, PlanError, Reroute, Stage, split_layers, validate_plan
 
 
 @dataclass(frozen=True)
@@ -246,43 +246,66 @@ def takeover_plan(profile: Profile, plan: Plan, failed: set[int]) -> Plan:
     return out
 
 
-def reform_plan(profile: Profile, plan: Plan, failed: set[int], tp_sizes: Collection[int]) -> Plan:
-    """Every pipeline that lost some devices of its TP groups re-formed from its survivors at the largest size of
-    ``tp_sizes`` (the TP sizes the model allows) that each of its stages can fill: its layers kept, device ``j``
-    of a re-formed stage a survivor whose old shard lies in new shard ``j`` where one does (it then lacks the least);
-    pipelines that lost a whole stage are left out; the micro-batches split over the pipelines by speed.
+def reform_plans(profile: Profile, plan: Plan, failed: set[int], tp_sizes: Collection[int]) -> list[Plan]:
+    """The plans that re-form every pipeline which lost devices of its TP groups from its survivors
+    (:func:`reform_options`, within memory): each broken pipeline as its first option (its layers kept where its
+    stages can: the least moved), and each as the option that gives the whole plan the shortest estimated step.
+    The selector weighs both by Eq. 8.
 
     Raises:
         PlanError: When no broken pipeline can be re-formed (or the plan is rerouted).
     """
     if plan.reroutes:
         raise PlanError("a rerouted plan is re-planned, not re-formed")
-    dead, kept, reformed = set(failed), [], 0
-    for p in plan.pipelines:
-        if not dead & set(p.devices):
-            kept.append(p)
-            continue
-        survivors = [[d for d in st.devices if d not in dead] for st in p.stages]
-        width = max((t for t in tp_sizes if t <= min(map(len, survivors))), default=0)
-        if width:
-            stages = tuple(Stage(_reformed(st.devices, alive, width), st.layers) for st, alive in zip(p.stages, survivors))
-            kept.append(Pipeline(stages, p.micro_batches))
-            reformed += 1
-    if not reformed:
-        raise PlanError("no broken TP group keeps survivors enough for a smaller TP size in every stage")
-    shares = [p.micro_batches for p in kept]
+    dead = set(failed)
+    kept = [p for p in plan.pipelines if not dead & set(p.devices)]
+    least, fastest = list(kept), list(kept)
+    for p in (p for p in plan.pipelines if dead & set(p.devices)):
+        options = [o for o in reform_options(plan.n_layers, p, dead, tp_sizes)
+                   if max(est.memory_per_device(profile, _whole(profile, plan, (*kept, o))).values()) <= profile.memory_bytes]
+        if options:
+            least.append(options[0])
+            fastest.append(min(options, key=lambda o: est.estimate_step(profile, _whole(profile, plan, (*fastest, o))).t_step))
+    if len(least) == len(kept):
+        raise PlanError("no broken TP group's survivors fill a TP size the model allows within memory")
+    return list(dict.fromkeys(_whole(profile, plan, pipelines) for pipelines in (least, fastest)))
+
+
+def _whole(profile: Profile, plan: Plan, pipelines) -> Plan:
+    """``pipelines`` (some of ``plan``'s, some re-formed) as a plan of its batch, the micro-batches split by speed."""
+    shares = [p.micro_batches for p in pipelines]
     shares[0] += plan.n_micro_batches - sum(shares)
-    out = Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size,
-               pipelines=tuple(replace(p, micro_batches=m) for p, m in zip(kept, shares)))
+    out = replace(plan, pipelines=tuple(replace(p, micro_batches=m) for p, m in zip(pipelines, shares)))
     validate_plan(out)
     return est.rebalanced(profile, out, est.EVEN)
 
 
-def _reformed(old: tuple[int, ...], alive: list[int], width: int) -> tuple[int, ...]:
-    """``width`` of a stage's ``alive`` devices in new-shard order: for shard ``j``, one whose old shard lies in it."""
+def reform_options(n_layers: int, pipeline: Pipeline, dead: set[int], tp_sizes: Collection[int]) -> list[Pipeline]:
+    """The pipelines ``pipeline``'s survivors can re-form: its layers kept at the largest size of ``tp_sizes`` (the
+    TP sizes the model allows) every stage's survivors fill, then, for each size, as many even stages as all its
+    survivors fill (a smaller TP size on more stages puts each survivor to work). Device ``j`` of a new stage is a
+    survivor whose old shard lies in new shard ``j`` where one does (it then lacks the least)."""
+    old = {d: (t, len(st.devices)) for st in pipeline.stages for t, d in enumerate(st.devices)}
+    survivors = [[d for d in st.devices if d not in dead] for st in pipeline.stages]
+    options = []
+    width = max((t for t in tp_sizes if t <= min(map(len, survivors))), default=0)
+    if width:
+        options.append(tuple(Stage(_reformed(old, alive, width), st.layers) for st, alive in zip(pipeline.stages, survivors)))
+    everyone = [d for alive in survivors for d in alive]
+    for t in sorted(tp_sizes, reverse=True):
+        k = min(len(everyone) // t, n_layers)
+        if k:
+            bounds = split_layers(n_layers, k)
+            options.append(tuple(Stage(_reformed(old, everyone[i * t:(i + 1) * t], t), bounds[i]) for i in range(k)))
+    return [Pipeline(stages, pipeline.micro_batches) for stages in dict.fromkeys(options)]
+
+
+def _reformed(old: dict[int, tuple[int, int]], alive: list[int], width: int) -> tuple[int, ...]:
+    """``width`` of ``alive`` devices in new-shard order: for shard ``j``, one whose old shard (``old[d]``: its
+    index and its stage's width) lies in it."""
     free, out = list(alive), []
     for j in range(width):
-        inside = [d for d in free if j * len(old) <= old.index(d) * width < (j + 1) * len(old)]
+        inside = [d for d in free if j * old[d][1] <= old[d][0] * width < (j + 1) * old[d][1]]
         out.append((inside or free)[0])
         free.remove(out[-1])
     return tuple(out)
@@ -406,8 +429,8 @@ def candidates(
         "redundant": lambda: _redundant(profile, plan, failed, **common),
     }
     if tp_sizes and geometry.width > 1:
-        builders["reform"] = lambda: _moved("reform", profile, plan, reform_plan(profile, plan, failed, tp_sizes), {},
-                                            **common)
+        builders["reform"] = lambda: _best([_moved("reform", profile, plan, new, {}, **common)
+                                            for new in reform_plans(profile, plan, failed, tp_sizes)])
     out = [Candidate(name, False, f"no survivor holds {geometry.describe(lost)}") if lost else _built(name, build)
            for name, build in builders.items()]
     out.append(_built("checkpoint", lambda: _checkpoint(profile, plan, units, planner, precomputed=precomputed, **common)))
