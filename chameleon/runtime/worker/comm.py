@@ -5,8 +5,10 @@ blocked call stays blocked until the group's timeout (measured with torch 2.13).
 
 - A generation's groups are raw backend objects (``ProcessGroupGloo`` …) on a
   fresh store prefix, outside c10d's global default group: a generation that saw a
-  fault is simply abandoned (kept referenced, never destroyed, never reused) and
-  the next one is built beside it. A generation left in good order (a growth's
+  fault is abandoned (never reused; its destructors never run on the main thread) and
+  the next one is built beside it. Gloo's groups are let go on a side thread once
+  their calls under way have returned, so no connection to a dead peer stays open
+  (one keeps gloo's event loop spinning); NCCL's and HCCL's are aborted (below). A generation left in good order (a growth's
   switch at a commit: every op of every group completed) hands its groups to the
   next, which keeps those whose members are unchanged.
 - Every blocking call — connecting the groups, ``Work.wait()`` of a collective or
@@ -364,7 +366,10 @@ class Generation:
                 state is unknown, so it fences itself and is replaced as a lost device.
         """
         ABANDONED.append(self)
-        groups = list(self._groups.values()) if polls_completion(self.backend) else []
+        if not polls_completion(self.backend):
+            threading.Thread(target=self._release, name=f"chameleon-release-gen{self.generation}", daemon=True).start()
+            return
+        groups = list(self._groups.values())
         aborted = threading.Event()
 
         def run() -> None:
@@ -376,6 +381,15 @@ class Generation:
         if not aborted.wait(self.abort_s):
             raise DeviceFault(f"aborting generation {self.generation}'s communicators did not return within "
                               f"{self.abort_s:g} s (ft.abort_timeout_s): this device fences itself")
+
+
+    def _release(self) -> None:
+        """Gloo: once the calls under way have returned (a dead peer's error, or the group's timeout), let this
+        generation's groups go, on this side thread, so their connections close: a connection left open to a dead
+        peer keeps gloo's event loop busy, a core's worth of CPU on this device for the rest of the run."""
+        self._waiter.submit(lambda: None).done.wait()
+        self._groups.clear()
+        ABANDONED.remove(self)
 
 
 class _Pending:

@@ -70,10 +70,11 @@ def is_device_fault(error: BaseException) -> bool:
 
 
 def compute_clock(device: torch.device) -> Callable[[], float]:
-    """The clock a device's own compute is timed on. On a CPU it is the process's time on a core, so a host
-    shared by more workers than cores makes no device look slow (waiting for a core is not computing); on an
-    accelerator it is the host's clock (the self-test waits for its kernels)."""
-    return time.process_time if device.type == "cpu" else time.perf_counter
+    """The clock a device's own compute is timed on. On a CPU it is the driving thread's time on a core: a host
+    shared by more workers than cores makes no device look slow (waiting for a core is not computing), nor do
+    the process's other threads (communication, checkpoint writes). On an accelerator it is the host's clock
+    (the self-test waits for its kernels)."""
+    return time.thread_time if device.type == "cpu" else time.perf_counter
 
 
 SELF_TEST_SIDE = 128  # the self-test multiplies matrices this wide (a tenth of a millisecond on a CPU core)
