@@ -355,33 +355,32 @@ class Generation:
             time.sleep(POLL_INTERVAL_S)
 
     def abandon(self, *, before_abort: Callable[[], None] = lambda: None) -> None:
-        """Leave this generation for good: keep it referenced so no destructor blocks on dead peers.
+        """Leave this generation for good, on a side thread, so no destructor blocks the main thread on dead peers.
 
-        NCCL and HCCL communicators are aborted (gloo's cannot be interrupted: nothing to do), on a
-        side thread: ``ncclCommAbort`` can block when a peer cannot abort too. ``before_abort`` runs
-        on that thread first (fault injection).
+        NCCL and HCCL communicators are aborted (``ncclCommAbort`` can block when a peer cannot abort
+        too) and stay referenced; gloo's cannot be interrupted, so its groups are let go once their
+        calls have returned (:meth:`_release`). ``before_abort`` runs on that thread first (fault injection).
 
         Raises:
             DeviceFault: the abort did not return within ``abort_s``; this device's communication
                 state is unknown, so it fences itself and is replaced as a lost device.
         """
         ABANDONED.append(self)
-        if not polls_completion(self.backend):
-            threading.Thread(target=self._release, name=f"chameleon-release-gen{self.generation}", daemon=True).start()
-            return
-        groups = list(self._groups.values())
+        polled = polls_completion(self.backend)
+        groups = list(self._groups.values()) if polled else []
         aborted = threading.Event()
 
         def run() -> None:
             before_abort()
             abort(groups)
             aborted.set()
+            if not polled:
+                self._release()
 
         threading.Thread(target=run, name=f"chameleon-abort-gen{self.generation}", daemon=True).start()
         if not aborted.wait(self.abort_s):
             raise DeviceFault(f"aborting generation {self.generation}'s communicators did not return within "
                               f"{self.abort_s:g} s (ft.abort_timeout_s): this device fences itself")
-
 
     def _release(self) -> None:
         """Gloo: once the calls under way have returned (a dead peer's error, or the group's timeout), let this
