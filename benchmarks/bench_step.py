@@ -1,6 +1,7 @@
 """Failure-free step time: Chameleon's worker data path against a plain PyTorch loop, side by side.
 
-Run: ``python benchmarks/bench_step.py [--layouts 4x1x1 2x2x1 2x1x2] [--rounds 4] [--steps 10] [--json FILE]``.
+Run: ``python benchmarks/bench_step.py [--layouts 4x1x1 2x2x1 2x1x2] [--rounds 4] [--steps 10] [--bucket-mb 25]
+[--json FILE]``.
 
 A layout is ``DPxPPxTP``. Both run in the same gloo worker processes, on the same model
 (the functional Llama of the model spec, ``chameleon.model.spec``; 12 layers: 111 tensors),
@@ -9,7 +10,8 @@ the same initial parameters (each rank's shard) and the same samples, alternatin
 
 - **ours**: the worker's data path — ``step_actions`` once, then per step ``run_step``
   (1F1B over a :class:`Generation`'s fault-polled sends/receives, coloured gradient
-  sync, Megatron TP over the generation's groups) and the AdamW step (multi-tensor ops).
+  sync in buckets launched as the last backward finishes them, Megatron TP over the
+  generation's groups) and the AdamW step (multi-tensor ops).
   The controller's commit round trip is not included.
 - **plain**: per pipeline a ``PipelineStage`` + ``Schedule1F1B`` over an nn.Module whose
   forward calls ``stage_forward`` on ``nn.ParameterDict``-held tensors (with one stage, a
@@ -215,15 +217,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="A/B pairs")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps at the start of every block")
     parser.add_argument("--steps", type=int, default=10, help="measured steps per block")
+    parser.add_argument("--bucket-mb", type=float, default=TRAIN.bucket_mb,
+                        help="ours: the gradient sync's bucket size (each all-reduced as the last backward finishes it)")
     parser.add_argument("--profile", action="store_true", help="cProfile ours on rank 0")
     parser.add_argument("--json", type=Path, help="write one object per layout here")
     args = parser.parse_args()
     model = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
-    train = replace(TRAIN, global_batch=args.global_batch, micro_batch=args.micro_batch, seq_len=args.seq_len)
+    train = replace(TRAIN, global_batch=args.global_batch, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                    bucket_mb=args.bucket_mb)
     header()
     print(f"model: dim {model.dim}, {model.n_layers} layers, {model.n_heads} heads ({model.n_kv_heads} kv), vocab "
           f"{model.vocab_size}; batch {args.global_batch}×{args.seq_len} tokens, micro-batch {args.micro_batch}; "
-          f"{args.rounds}× (ours, plain) blocks of {args.warmup}+{args.steps} steps")
+          f"{args.rounds}× (ours, plain) blocks of {args.warmup}+{args.steps} steps; ours: {args.bucket_mb:g} MB buckets")
     print(f"{'layout':>7} {'procs':>5} {'tensors':>7} {'ours ms':>8} {'plain ms':>9} {'ours/plain':>10} "
           f"{'plain/ours tok/s':>16} {'CPU ours/plain':>14}  {'optimizer ms ours | plain | per-tensor':<38} "
           f"step-0 loss ours | plain")

@@ -109,6 +109,7 @@ class TrainConfig:
     # Activation recomputation: none | selective (the attention core, in backward) | full (each layer from its input)
     recompute: Recompute = Recompute.none
     clip_norm: float = 1.0  # clip the global gradient norm (over the whole plan) to this; 0 disables
+    bucket_mb: float = 25.0  # the gradient sync's buckets (each launched as its gradients are final) hold at most this
     lr_schedule: LrSchedule = LrSchedule.cosine  # constant | cosine (by global step, after the linear warm-up)
     warmup_steps: int = 10
     min_lr: float = 3e-4  # where the cosine schedule ends
@@ -338,6 +339,7 @@ def validate(cfg: DictConfig) -> Plan:
     check(train.lr > 0, f"train.lr={train.lr}: must be > 0")
     _check_arch(model_config(cfg))
     _check_training_keys(cfg)
+    check(train.bucket_mb > 0, f"train.bucket_mb={train.bucket_mb}: must be > 0 (MB per gradient bucket)")
     for key in ("dp", "pp", "tp"):
         check(par[key] >= 1, f"parallel.{key}={par[key]}: must be ≥ 1")
     check(model.dim % model.n_heads == 0, f"model.dim={model.dim} is not divisible by model.n_heads={model.n_heads}")

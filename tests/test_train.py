@@ -36,8 +36,13 @@ TOLERANCE = 1e-5  # relative, fp32: only floating-point reassociation differs be
         ("launcher.nproc_per_node=7", "parallel.pipelines=[{layers:[1,2,1],micro_batches:2},{layers:[1,1,1,1],micro_batches:2}]"),
         ("launcher.nproc_per_node=5", "parallel.pipelines=[{layers:[2,2],micro_batches:1},{layers:[1,1,2],micro_batches:3}]"),
         ("launcher.nproc_per_node=5", "parallel.pipelines=[{layers:[2,2],micro_batches:2,tp:2},{layers:[4],micro_batches:2}]"),
+        # a bucket per tensor: each all-reduced as the last backward makes it final, overlapping the rest
+        ("launcher.nproc_per_node=4", "parallel.dp=2", "parallel.pp=2", "train.bucket_mb=0.01"),
+        ("launcher.nproc_per_node=5", "parallel.pipelines=[{layers:[2,2],micro_batches:2,tp:2},{layers:[4],micro_batches:2}]",
+         "train.bucket_mb=0.01"),
     ],
-    ids=["dp2", "dp4", "dp2xpp2", "pp4", "dp2xtp2", "pp2xtp2", "uneven3+4", "uneven2+3", "tp2+tp1"],
+    ids=["dp2", "dp4", "dp2xpp2", "pp4", "dp2xtp2", "pp2xtp2", "uneven3+4", "uneven2+3", "tp2+tp1", "dp2xpp2-buckets",
+         "tp2+tp1-buckets"],
 )
 def test_layout_reproduces_single_process(tmp_path, reference_run, layout):
     run = run_entry("train", tmp_path / "run", *SMALL_RUN, *layout)

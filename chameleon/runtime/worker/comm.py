@@ -335,7 +335,11 @@ class Generation:
 
     def all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...]) -> None:
         """In-place sum over ``members`` (device ids in any order, a declared group)."""
-        self.wait(self._post(self.group(tuple(sorted(members))).allreduce, [tensor]))
+        self.wait(self.post_all_reduce(tensor, members))
+
+    def post_all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...]) -> dist.Work:
+        """Start :meth:`all_reduce`; :meth:`wait` for the work it returns."""
+        return self._post(self.group(tuple(sorted(members))).allreduce, [tensor])
 
     def _post(self, op: Callable[..., dist.Work], *args) -> dist.Work:
         """Issue an asynchronous op; posting to a connection a dead peer closed fails at once."""

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
+import torch.distributed as dist
 
 from chameleon.config import TrainConfig
 from chameleon.data.stream import SampleStream, micro_batch_samples
@@ -127,7 +128,8 @@ def run_step(
 
     The loss of every micro-batch is its summed token cross-entropy divided by
     ``global_batch · seq_len``, so gradients summed over pipelines equal the
-    single-process gradient of the mean loss. With ``train.clip_norm > 0`` the
+    single-process gradient of the mean loss. The sync (:class:`GradientSync`) overlaps
+    this device's last backward. With ``train.clip_norm > 0`` the
     sum of squares of this device's pieces of the gradient follows the sync
     (``norm_regions``, its part of :func:`chameleon.layout.geometry.writers`: over the plan they tile
     every tensor once, whatever the pipelines, TP degrees and reroutes); the
@@ -141,39 +143,53 @@ def run_step(
     scale = 1.0 / (train.global_batch * train.seq_len)
     busy = _Busy(pace, state.device)
     forward = _Forwards(plan=plan, state=state, stream=stream, gen=gen, model=model, train=train, tp=tp, busy=busy)
+    sync = GradientSync(rounds, state=state, gen=gen, bucket_bytes=train.bucket_mb * 2**20)
+    last_backward = max((k for k, a in enumerate(actions) if a.kind == "B"), default=None)
     result = StepResult()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
     saved: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    for action in actions:
-        p, s, i = action.pipeline, action.stage, action.micro
-        if on_phase is not None:
-            on_phase("forward" if action.kind == "F" else "backward", step=step, detail=i)
-        if action.kind == "F":
-            x, out, ids, counts = forward(action, step)
+    try:
+        for k, action in enumerate(actions):
+            p, s, i = action.pipeline, action.stage, action.micro
+            if on_phase is not None:
+                on_phase("forward" if action.kind == "F" else "backward", step=step, detail=i)
+            if action.kind == "F":
+                x, out, ids, counts = forward(action, step)
+                if s == plan.pipelines[p].n_stages - 1:
+                    out = out * scale
+                    if counts:
+                        loss_sum += out.detach().double()
+                        result.sample_ids.extend(ids)
+                saved[(p, s, i)] = (x, out)
+                continue
+            x, out = saved.pop((p, s, i))
+            t = executors(plan, p, s, i).index(gen.me)
+            if k == last_backward:
+                sync.watch()
             if s == plan.pipelines[p].n_stages - 1:
-                out = out * scale
-                if counts:
-                    result.loss_sum += out.item()
-                    result.sample_ids.extend(ids)
-            saved[(p, s, i)] = (x, out)
-            continue
-        x, out = saved.pop((p, s, i))
-        t = executors(plan, p, s, i).index(gen.me)
-        if s == plan.pipelines[p].n_stages - 1:
-            with busy:
-                out.backward()
-        else:
-            grad = forward.hidden()
-            src = executors(plan, p, s + 1, i)[t]
-            gen.wait(gen.recv(grad, src, tag=message_tag(p, s + 1, True)), peer=src)
-            with busy:
-                out.backward(grad)
-        if s > 0:
-            forward.sends.append(gen.send(x.grad.contiguous(), executors(plan, p, s - 1, i)[t], tag=message_tag(p, s, True)))
+                with busy:
+                    out.backward()
+            else:
+                grad = forward.hidden()
+                src = executors(plan, p, s + 1, i)[t]
+                gen.wait(gen.recv(grad, src, tag=message_tag(p, s + 1, True)), peer=src)
+                with busy:
+                    out.backward(grad)
+            if s > 0:
+                forward.sends.append(gen.send(x.grad.contiguous(), executors(plan, p, s - 1, i)[t],
+                                              tag=message_tag(p, s, True)))
+    finally:
+        sync.close()
     gen.wait(*forward.sends)
-    result.finite, result.busy_s = math.isfinite(result.loss_sum) and state.grads_finite(), busy.seconds
-    sync_gradients(rounds, state=state, gen=gen, on_round=None if on_phase is None else partial(on_phase, "sync", step=step))
+    finite = torch.isfinite(loss_sum) & state.grads_finite()  # the device's own, before the sums land
+    result.busy_s = busy.seconds
+    sync.finish(None if on_phase is None else partial(on_phase, "sync", step=step))
+    figures = [loss_sum, finite]
     if train.clip_norm > 0:
-        result.norm_sq = state.grad_sum_of_squares(norm_regions or {}).item()
+        figures.append(state.grad_sum_of_squares(norm_regions or {}))
+    read = torch.cat([f.double().reshape(1) for f in figures]).tolist()  # the step's one host read
+    result.loss_sum, result.finite = read[0], bool(read[1])
+    result.norm_sq = read[2] if train.clip_norm > 0 else None
     return result
 
 
@@ -220,40 +236,122 @@ def evaluate(
 def sync_gradients(
     rounds: SyncRounds, *, state: StageState, gen: Generation, on_round: Callable[..., None] | None = None
 ) -> None:
-    """Sum every gradient over the devices holding the same shard, round by coloured round.
+    """Sum every gradient over the devices holding the same shard, round by coloured round (:class:`GradientSync`
+    with one bucket per group, none launched before)."""
+    GradientSync(rounds, state=state, gen=gen, bucket_bytes=math.inf).finish(on_round)
 
-    Every device walks the same rounds in the same order; within a round the
-    groups are device-disjoint, so this device is in at most one and reduces one bucket.
-    ``on_round(detail=r)`` is called as round ``r`` starts (before the first, even with no rounds).
+
+@dataclass
+class _Bucket:
+    """Some tensors of one sync group, summed in one all-reduce: those whose gradients are not final yet, and once
+    launched, its work and how to put the sums in place."""
+
+    sync: SyncGroup
+    round: int
+    missing: set[str]
+    work: dist.Work | None = None
+    unpack: Callable[[], None] | None = None
+
+
+class GradientSync:
+    """One step's gradient sync: every gradient summed over the devices holding the same shard.
+
+    Every device walks the same coloured rounds in the same order; within a round the
+    groups are device-disjoint, so this device is in at most one. Each group's tensors
+    are cut into buckets of at most ``bucket_bytes``, last layers first (the order the
+    backward finishes them). :meth:`watch`, called before this device's last backward,
+    launches each bucket as soon as that backward has made its gradients final, in
+    this device's order of buckets (rounds, then buckets): every member of a group
+    launches its buckets in the same order, and no device posts a round before its
+    earlier ones (NCCL's rule for communicators used at once), so the sync overlaps the
+    rest of the backward. The sums are written to the sums' buffers, not the gradients,
+    until :meth:`finish`: until then the gradients are this device's own.
     """
-    if on_round is not None and not rounds:
-        on_round(detail=-1)
-    for r, groups in enumerate(rounds):
-        if on_round is not None:
-            on_round(detail=r)
-        for sync in groups:
-            if gen.me not in sync.devices:
-                continue
-            grads = state.grads(sync.names)
-            if sync.shapes is None:
-                _all_reduce_flat(grads, gen=gen, devices=sync.devices)
-            else:
-                _all_reduce_padded(grads, sync, state=state, gen=gen)
+
+    def __init__(self, rounds: SyncRounds, *, state: StageState, gen: Generation, bucket_bytes: float):
+        self.rounds, self.state, self.gen = rounds, state, gen
+        self.buckets = [_Bucket(part, r, set(part.names)) for r, groups in enumerate(rounds) for sync in groups
+                        if gen.me in sync.devices for part in cut_buckets(sync, state.regions, bucket_bytes)]
+        self.launched = 0
+        self.hooks: list = []
+
+    def watch(self) -> None:
+        """From now on a gradient is final once accumulated: launch each bucket as soon as its gradients are."""
+        owner = {name: bucket for bucket in self.buckets for name in bucket.sync.names}
+        self.hooks = self.state.on_gradient(owner, lambda name: self._final(owner[name], name))
+
+    def _final(self, bucket: _Bucket, name: str) -> None:
+        bucket.missing.discard(name)
+        self._launch(ready_only=True)
+
+    def _launch(self, *, ready_only: bool) -> None:
+        """Launch the next buckets in order: those ready, or (``ready_only`` False) all that are left."""
+        while self.launched < len(self.buckets) and not (ready_only and self.buckets[self.launched].missing):
+            bucket = self.buckets[self.launched]
+            bucket.work, bucket.unpack = _post_sum(bucket.sync, state=self.state, gen=self.gen)
+            self.launched += 1
+
+    def finish(self, on_round: Callable[..., None] | None = None) -> None:
+        """Launch the buckets left, then wait for them round by round and put the sums in place.
+
+        ``on_round(detail=r)`` is called as round ``r`` is waited for (before the first, even with no rounds).
+        """
+        self.close()
+        self._launch(ready_only=False)
+        if on_round is not None and not self.rounds:
+            on_round(detail=-1)
+        for r in range(len(self.rounds)):
+            if on_round is not None:
+                on_round(detail=r)
+            for bucket in (b for b in self.buckets if b.round == r):
+                self.gen.wait(bucket.work)
+                bucket.unpack()
+
+    def close(self) -> None:
+        """Stop watching gradients (a step that fails leaves no hook behind)."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
 
 
-def _all_reduce_flat(grads: list[torch.Tensor], *, gen: Generation, devices: tuple[int, ...]) -> None:
-    """Sum ``grads`` (the same shards on every device of ``devices``) in one all-reduce."""
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    gen.all_reduce(flat, devices)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+def cut_buckets(sync: SyncGroup, regions: Mapping[str, Region], bucket_bytes: float) -> list[SyncGroup]:
+    """``sync``'s tensors (of which a device holds ``regions``) in buckets of at most ``bucket_bytes`` of fp32
+    gradients (a larger tensor alone), last tensors first."""
+    parts: list[list[int]] = []
+    size = 0.0
+    for k in reversed(range(len(sync.names))):
+        shape = sync.shapes[k] if sync.shapes is not None else [b - a for a, b in regions[sync.names[k]]]
+        nbytes = 4 * math.prod(shape)  # fp32 gradients
+        if not parts or size + nbytes > bucket_bytes:
+            parts.append([])
+            size = 0.0
+        parts[-1].append(k)
+        size += nbytes
+    return [replace(sync, names=tuple(sync.names[k] for k in part),
+                    shapes=None if sync.shapes is None else tuple(sync.shapes[k] for k in part)) for part in parts]
 
 
-def _all_reduce_padded(grads: list[torch.Tensor], sync: SyncGroup, *, state: StageState, gen: Generation) -> None:
-    """Sum ``grads`` over holders of different TP sizes: each device places its regions in zeros of the whole
-    tensors (a tensor it holds whole as zeros, if ``sync.zeroed`` names it), one all-reduce, its regions back."""
+def _post_sum(sync: SyncGroup, *, state: StageState, gen: Generation) -> tuple[dist.Work, Callable[[], None]]:
+    """Start summing ``sync``'s gradients over its devices (a copy in one flat buffer); the work, and how to put the
+    sums into the gradients once it is done."""
+    grads = state.grads(sync.names)
+    if sync.shapes is None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        sums = [piece.view_as(g) for piece, g in zip(torch.split(flat, [g.numel() for g in grads]), grads, strict=True)]
+    else:
+        flat, sums = _padded(grads, sync, state=state, me=gen.me)
+    work = gen.post_all_reduce(flat, sync.devices)
+
+    def unpack() -> None:
+        torch._foreach_copy_(grads, sums)
+
+    return work, unpack
+
+
+def _padded(grads: list[torch.Tensor], sync: SyncGroup, *, state: StageState, me: int
+            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Holders of different TP sizes: the whole tensors in one flat buffer of zeros, this device's regions placed in
+    it (a tensor it holds whole as zeros, if ``sync.zeroed`` names it), and the views of those regions."""
     boxes = [tuple((0, n) for n in shape) for shape in sync.shapes]
     flat = torch.zeros(sum(math.prod(shape) for shape in sync.shapes), dtype=grads[0].dtype, device=grads[0].device)
     views, offset = [], 0
@@ -262,8 +360,6 @@ def _all_reduce_padded(grads: list[torch.Tensor], sync: SyncGroup, *, state: Sta
         offset += whole.numel()
         view = whole[local_slices(state.regions[name], box)]
         views.append(view)
-        if state.regions[name] != box or gen.me not in sync.zeroed:
+        if state.regions[name] != box or me not in sync.zeroed:
             view.copy_(g)
-    gen.all_reduce(flat, sync.devices)
-    for g, view in zip(grads, views, strict=True):
-        g.copy_(view)
+    return flat, views

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from chameleon.config import TrainConfig
 from chameleon.layout.plan import Plan, Stage
@@ -120,10 +121,14 @@ class StageState:
         pieces = (g[local_slices(regions[n], self.regions[n])] for n, g in zip(regions, self.grads(list(regions))))
         return sum_of_squares(pieces, device=self.device)
 
-    def grads_finite(self) -> bool:
-        """Whether every gradient this device holds is finite (``Σ‖g‖²`` overflowing counts as not)."""
-        names = list(self.regions)
-        return bool(torch.isfinite(sum_of_squares(self.grads(names), device=self.device)).item())
+    def grads_finite(self) -> Tensor:
+        """Whether every gradient this device holds is finite (``Σ‖g‖²`` overflowing counts as not), as a 1-element
+        bool tensor on the device (read with the step's other figures: no host read of its own)."""
+        return torch.isfinite(sum_of_squares(self.grads(list(self.regions)), device=self.device))
+
+    def on_gradient(self, names: Iterable[str], hook: Callable[[str], None]) -> list[RemovableHandle]:
+        """Call ``hook(name)`` each time a gradient of ``names`` has accumulated (until the handles are removed)."""
+        return [self._leaves[n].register_post_accumulate_grad_hook(lambda _, n=n: hook(n)) for n in names]
 
     def digest(self, slot: int, slots: int) -> int:
         """CRC-32 of the parameters and both moments of every ``slots``-th tensor this device holds (by name) from
