@@ -109,6 +109,7 @@ class TrainConfig:
     # Activation recomputation: none | selective (the attention core, in backward) | full (each layer from its input)
     recompute: Recompute = Recompute.none
     clip_norm: float = 1.0  # clip the global gradient norm (over the whole plan) to this; 0 disables
+    compile: bool = False  # torch.compile each stage's forward (compiled once per worker, kept across steps)
     bucket_mb: float = 25.0  # the gradient sync's buckets (each launched as its gradients are final) hold at most this
     lr_schedule: LrSchedule = LrSchedule.cosine  # constant | cosine (by global step, after the linear warm-up)
     warmup_steps: int = 10

@@ -40,9 +40,10 @@ TOLERANCE = 1e-5  # relative, fp32: only floating-point reassociation differs be
         ("launcher.nproc_per_node=4", "parallel.dp=2", "parallel.pp=2", "train.bucket_mb=0.01"),
         ("launcher.nproc_per_node=5", "parallel.pipelines=[{layers:[2,2],micro_batches:2,tp:2},{layers:[4],micro_batches:2}]",
          "train.bucket_mb=0.01"),
+        ("launcher.nproc_per_node=2", "train.compile=true"),  # inductor's kernels: within the same tolerance
     ],
     ids=["dp2", "dp4", "dp2xpp2", "pp4", "dp2xtp2", "pp2xtp2", "uneven3+4", "uneven2+3", "tp2+tp1", "dp2xpp2-buckets",
-         "tp2+tp1-buckets"],
+         "tp2+tp1-buckets", "dp2-compiled"],
 )
 def test_layout_reproduces_single_process(tmp_path, reference_run, layout):
     run = run_entry("train", tmp_path / "run", *SMALL_RUN, *layout)

@@ -1069,7 +1069,8 @@ class Core:
         """How long the job may go without progress: ``ft.stall_timeout_s``, else derived from the step time.
 
         Until a generation starts (workers starting, groups connecting, state moving) the backend's
-        own timeout bounds every wait, so the bound is at least ``launcher.timeout_s``.
+        own timeout bounds every wait, so the bound is at least ``launcher.timeout_s``; so it is
+        throughout under ``train.compile``, where a device meeting a new stage shape compiles for a while.
         """
         bound = self.ft.stall_timeout_s
         if bound is None:
@@ -1078,7 +1079,7 @@ class Core:
                 recent = sorted(list(self.step_times.values())[-20:])
                 expected = max(expected, recent[len(recent) // 2])
             bound = max(self.ft.stall_min_s, self.ft.stall_factor * expected)
-        return bound if self.ledger.started else max(bound, self.launcher.timeout_s)
+        return bound if self.ledger.started and not self.train.compile else max(bound, self.launcher.timeout_s)
 
     # ----- growing back ---------------------------------------------------------------------------
 

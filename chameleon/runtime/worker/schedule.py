@@ -6,10 +6,11 @@ devices exchanging several kinds of traffic can never mismatch them.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,20 @@ class _Busy:
         self.seconds += self.pace(took) if self.pace is not None and exc[0] is None else took
 
 
+@functools.cache
+def _compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn`` under ``torch.compile``, once per process: its graphs are kept across steps and generations (the rotary
+    tables' cache is traced through, as meant: no warning of it)."""
+    warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
+    return torch.compile(fn)
+
+
+def stage_forward(model: ModelConfig, *, compiled: bool) -> Callable[..., torch.Tensor]:
+    """The model's stage forward (:mod:`chameleon.model.spec`), compiled with ``train.compile``."""
+    forward = spec_of(model).stage_forward
+    return _compiled(forward) if compiled else forward
+
+
 class _Forwards:
     """The forward of one action of a step: its inputs (tokens or the previous stage's activations), its output,
     and the send of that output to the next stage (the activations' peer is the executor of the same rank)."""
@@ -98,7 +113,7 @@ class _Forwards:
             gen.wait(gen.recv(x, src, tag=message_tag(p, s - 1, False)), peer=src)
             x.requires_grad_(torch.is_grad_enabled())
         with self.busy:
-            out = spec_of(self.model).stage_forward(
+            out = stage_forward(self.model, compiled=self.train.compile)(
                 self.state.params, self.model, x, layers=pipe.stages[s].layers, first=first, last=last,
                 targets=targets if last else None, tp=self.tp, recompute=self.train.recompute,
             )
@@ -183,7 +198,7 @@ def run_step(
     gen.wait(*forward.sends)
     finite = torch.isfinite(loss_sum) & state.grads_finite()  # the device's own, before the sums land
     result.busy_s = busy.seconds
-    sync.finish(None if on_phase is None else partial(on_phase, "sync", step=step))
+    sync.finish(None if on_phase is None else functools.partial(on_phase, "sync", step=step))
     figures = [loss_sum, finite]
     if train.clip_norm > 0:
         figures.append(state.grad_sum_of_squares(norm_regions or {}))
