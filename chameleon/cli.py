@@ -76,7 +76,8 @@ def one_line(err: BaseException) -> str:
 
 
 def _refused_value(cause: BaseException | None) -> str | None:
-    """``key='value': use one of …`` (an enum) or ``key='value': give an integer`` (a number), else None."""
+    """``key='value': use one of …`` (an enum), ``key='value': give an integer`` (a number) or ``give true or false``
+    (a flag), else None."""
     if not isinstance(cause, ValidationError) or not cause.full_key:
         return None
     choice = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]", cause.msg)
@@ -86,6 +87,9 @@ def _refused_value(cause: BaseException | None) -> str | None:
     if number:
         kind = number[2].lower()
         return f"{cause.full_key}={number[1]!r}: give {'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+    flag = re.match(r"Value '(.*)' is not a valid bool", cause.msg)
+    if flag:
+        return f"{cause.full_key}={flag[1]!r}: give true or false"
     return f"{cause.full_key}: {cause.msg.splitlines()[0]}"
 
 

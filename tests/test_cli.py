@@ -48,6 +48,8 @@ def refusal(entry: str, *overrides: str) -> str:
     (("data.path=/nonexistent/corpus.txt",), "data.path='/nonexistent/corpus.txt' is not a file"),
     (("data.pack=zigzag",), "data.pack='zigzag': use window, document"),
     (("train.steps=abc",), "train.steps='abc': give an integer"),
+    (("train.compile=maybe",), "train.compile='maybe': give true or false"),
+    (("train.bucket_mb=0",), "train.bucket_mb=0.0: must be > 0"),
     (("data.val_fraction=1",), "data.val_fraction=1.0: use a fraction in [0, 1)"),
     (("train.eval_batches=1000",), "train.eval_batches=1000 evaluates 16000 windows but the validation documents hold"),
     (("train.eval_interval=-1",), "train.eval_interval=-1"),
