@@ -18,6 +18,7 @@ from chameleon.config import TrainConfig
 from chameleon.layout.plan import even_plan
 from chameleon.model.config import ModelConfig
 from chameleon.report.compare import relative_difference
+from chameleon.runtime.checkpoint import CheckpointWriter
 from chameleon.runtime.worker.stage import KINDS, StageState, role_of
 
 pytestmark = [
@@ -74,3 +75,17 @@ def test_nccl_workers_recover_a_kill(tmp_path):
     assert faulty.summary["recoveries"] and not faulty.leftover_workers()
     for a, b in zip(faulty.summary["losses"], clean.summary["losses"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_a_snapshot_from_the_device_is_the_state_at_the_save_though_training_goes_on(tmp_path):
+    """The device → host copies go into pinned buffers, queued on the stream: an update right after ``save_async``
+    returns does not reach the file, and the next save reuses the buffers."""
+    shards = {"param": {"w": torch.randn(256, 256, device="cuda")}}
+    writer = CheckpointWriter(tmp_path, device=0)
+    for step in (1, 2):
+        before = shards["param"]["w"].cpu()
+        path = writer.save_async(step, shards, regions={"w": ((0, 256), (0, 256))}, committed_steps=step)
+        shards["param"]["w"].mul_(-2).add_(1)  # training goes on at once
+        writer.wait()
+        assert torch.equal(torch.load(path)["param"]["w"], before)
+        assert writer._pinned[("param", "w")].is_pinned()

@@ -128,6 +128,7 @@ class CheckpointWriter:
         self.device, self.generation = device, generation
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._pinned: dict[tuple[str, str], Tensor] = {}  # per (kind, name): the host buffer of an accelerator's shard
 
     @property
     def pending(self) -> bool:
@@ -141,8 +142,9 @@ class CheckpointWriter:
 
         Args:
             step: the step being saved; names the directory.
-            shards: per kind, the local shard of every tensor in ``regions``; cloned
-                before returning, so training may update them at once.
+            shards: per kind, the local shard of every tensor in ``regions``; copied
+                before returning (from an accelerator: queued on its stream into pinned
+                buffers, the writer waiting for them), so training may update them at once.
             regions: the global region of each tensor this device writes (its part of
                 :func:`chameleon.layout.geometry.writers`).
             committed_steps: committed optimizer steps in this state.
@@ -170,10 +172,8 @@ class CheckpointWriter:
                         f"device {self.device}: {kind} of {name} has shape {tuple(tensor.shape)}, "
                         f"but its region {regions[name]} has shape {region_shape(regions[name])}"
                     )
-            snapshot[kind] = {
-                name: t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
-                for name, t in tensors.items()
-            }
+            snapshot[kind] = {name: self._host_copy((kind, name), t.detach()) for name, t in tensors.items()}
+        copied = _copies_done(shards)
         index = {
             "device": self.device,
             "step": step,
@@ -183,7 +183,8 @@ class CheckpointWriter:
         }
         path = directory / shard_file(self.device, self.generation)
         self._thread = threading.Thread(
-            target=self._write, args=(path, snapshot, index), name=f"checkpoint-device-{self.device}", daemon=True
+            target=self._write, args=(path, snapshot, index, copied), name=f"checkpoint-device-{self.device}",
+            daemon=True,
         )
         self._thread.start()
         return path
@@ -201,14 +202,38 @@ class CheckpointWriter:
         if error is not None:
             raise CheckpointError(f"device {self.device}: writing its checkpoint failed: {error}") from error
 
-    def _write(self, path: Path, snapshot: dict[str, dict[str, Tensor]], index: dict) -> None:
+    def _host_copy(self, key: tuple[str, str], tensor: Tensor) -> Tensor:
+        """A host copy of ``tensor``: a clone of a CPU tensor; from an accelerator, an asynchronous copy into a pinned
+        buffer kept for the next save (:meth:`save_async` waits for the write that reads it first), ordered on the
+        device's stream before any later update of ``tensor``."""
+        if tensor.device.type == "cpu":
+            return tensor.to("cpu", copy=True, memory_format=torch.contiguous_format)
+        buffer = self._pinned.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self._pinned[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return buffer.copy_(tensor, non_blocking=True)
+
+    def _write(self, path: Path, snapshot: dict[str, dict[str, Tensor]], index: dict,
+               copied: torch.Event | None) -> None:
         try:
+            if copied is not None:
+                copied.synchronize()  # the asynchronous device → host copies have landed
             index["checksums"] = {kind: {name: checksum(t) for name, t in ts.items()} for kind, ts in snapshot.items()}
             path.parent.mkdir(parents=True, exist_ok=True)
             _atomic_write(path, lambda f: torch.save(snapshot, f))
             _atomic_write(path.with_suffix(".json"), lambda f: f.write(json.dumps(index).encode()))
         except Exception as error:  # handed to wait(), which raises it in the caller's thread
             self._error = error
+
+
+def _copies_done(shards: Shards) -> torch.Event | None:
+    """An event on the accelerator's current stream after the snapshot's copies were queued (None on a CPU)."""
+    device = next((t.device for tensors in shards.values() for t in tensors.values()), None)
+    if device is None or device.type == "cpu":
+        return None
+    event = torch.Event(device=device)
+    event.record()
+    return event
 
 
 def commit_checkpoint(
