@@ -32,6 +32,9 @@ import pytest
 import torch
 
 from chameleon.report.compare import Drift, relative_difference
+from chameleon.runtime.protocol.errors import DeviceFault
+from chameleon.runtime.protocol.position import Phase
+from chameleon.runtime.worker.device import is_device_fault
 from conftest import assert_nothing_lost, assert_same_clipping, run_entry
 
 BF16_LOSS_TOLERANCE, BF16_PARAM_TOLERANCE = 2e-3, 1e-3  # relative; derivation in the module doc
@@ -168,6 +171,17 @@ def test_a_device_error_is_the_loss_of_that_device(tmp_path, reference):
                     "failure.rank=1", "failure.step=3", "failure.phase=forward")
     got = assert_recovered(run, reference)
     assert got["recoveries"][0]["failed_ranks"] == [1] and "device error" in got["recoveries"][0]["cause"]
+
+
+@pytest.mark.parametrize(("error", "phase", "lost"), [
+    (torch.OutOfMemoryError("out of memory"), Phase.transfer, True),  # recovery's peak: decided again without it
+    (torch.OutOfMemoryError("out of memory"), Phase.rebuild, True),
+    (torch.OutOfMemoryError("out of memory"), Phase.backward, False),  # the plan does not fit: it would recur
+    (DeviceFault("injected"), Phase.forward, True),
+    (RuntimeError("a bug"), Phase.transfer, False),
+])
+def test_which_errors_lose_the_device(error, phase, lost):
+    assert is_device_fault(error, phase) is lost
 
 
 @pytest.mark.full

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from chameleon.runtime.protocol.errors import DeviceFault
+from chameleon.runtime.protocol.position import Phase
 
 
 def device_module(kind: str):
@@ -58,15 +59,20 @@ def prepare_device(kind: str, *, local_rank: int, own_device: bool = False) -> t
     return torch.device(kind, index)
 
 
-def is_device_fault(error: BaseException) -> bool:
-    """True when ``error`` says this worker's own device is broken (handled as the loss of that device).
+def is_device_fault(error: BaseException, phase: Phase) -> bool:
+    """True when ``error``, met in ``phase``, loses this worker's device (handled as the loss of that device).
 
-    That is an injected :class:`DeviceFault` or an accelerator error (``torch.AcceleratorError``:
-    a CUDA/NPU fault such as an illegal access or an uncorrectable ECC error). Out-of-memory and
-    every other error are the run's own and stop it.
+    That is an injected :class:`DeviceFault`, an accelerator error (``torch.AcceleratorError``: a
+    CUDA/NPU fault such as an illegal access or an uncorrectable ECC error), or an out-of-memory
+    while the device rebuilds its groups or moves state for a recovery (its old state, the new
+    shards and the packed buffers at once: the recovery is decided again without it). Every other
+    error, and an out-of-memory while training (a plan that does not fit would meet it again), is
+    the run's own and stops it.
     """
     accelerator = getattr(torch, "AcceleratorError", ())
-    return isinstance(error, DeviceFault) or bool(accelerator) and isinstance(error, accelerator)
+    if isinstance(error, DeviceFault) or bool(accelerator) and isinstance(error, accelerator):
+        return True
+    return isinstance(error, torch.OutOfMemoryError) and phase in (Phase.rebuild, Phase.transfer)
 
 
 def compute_clock(device: torch.device) -> Callable[[], float]:

@@ -136,8 +136,9 @@ def worker_main(spec: WorkerSpec, conn: Connection, down: Connection, lifeline: 
     except ControllerLost as err:
         _quit(spec.device, str(err))
     except BaseException as err:  # noqa: BLE001 - everything is reported, then the process dies
-        uplink.send(Failed(spec.device, beacon.position().generation, f"{type(err).__name__}: {err}",
-                           traceback.format_exc(), beacon.position(), device_fault=is_device_fault(err)))
+        where = beacon.position()
+        uplink.send(Failed(spec.device, where.generation, f"{type(err).__name__}: {err}", traceback.format_exc(),
+                           where, device_fault=is_device_fault(err, where.phase)))
         os._exit(1)
     os._exit(0)  # abandoned generations hold threads blocked on dead peers: never join them
 
