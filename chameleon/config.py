@@ -484,9 +484,9 @@ def _check_training_keys(cfg: DictConfig) -> None:
 
 
 def pipelines_allowed(launcher) -> bool:
-    """True when the launch's backend may carry pipelines (gloo). NCCL's and HCCL's sends block until
-    matched and 1F1B's exchanges are not batched for them yet, so their plans — a recovery's too — keep
-    one stage per pipeline."""
+    """True when the launch's backend may carry pipelines (gloo). 1F1B's exchanges are batched for NCCL and
+    HCCL, but they ignore tags and have not run a pipeline on a device yet, so their plans — a recovery's too —
+    keep one stage per pipeline (docs/accelerators.md)."""
     return launcher.device == Device.cpu or launcher.backend == Backend.gloo
 
 
@@ -496,9 +496,9 @@ def _check_backend(cfg: DictConfig, plan: Plan) -> None:
     if pipelines_allowed(cfg.launcher):
         return
     check(max(p.n_stages for p in plan.pipelines) == 1,
-           f"launcher.device={device} pipelines stages over {backend or 'its default backend'}, whose sends block "
-           "until matched and ignore tags (1F1B's order is not batched for it yet): set launcher.backend=gloo, or "
-           "use data and tensor parallelism (parallel.pp=1)")
+           f"launcher.device={device} pipelines stages over {backend or 'its default backend'}, which ignores tags "
+           "and has not run Chameleon's 1F1B on a device yet: set launcher.backend=gloo, or use data and tensor "
+           "parallelism (parallel.pp=1)")
 
 
 def check(ok: bool, message: str) -> None:

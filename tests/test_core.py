@@ -373,7 +373,7 @@ def test_returning_devices_grow_the_job_at_a_step_boundary():
 @pytest.mark.parametrize(("device", "backend", "lengths"), [("cpu", None, (1, 2, 3, 4)), ("cuda", "gloo", (1, 2, 3, 4)),
                                                            ("cuda", None, (1,)), ("npu", None, (1,))])
 def test_recovery_plans_pipeline_only_over_a_backend_that_can(device, backend, lengths):
-    """NCCL's and HCCL's sends block until matched and 1F1B is not batched for them: no re-plan may pipeline."""
+    """NCCL and HCCL ignore tags and have not run our 1F1B on a device yet: no re-plan may pipeline."""
     cfg, plan = config("parallel.dp=4", "parallel.pp=1")
     cfg.launcher.device, cfg.launcher.backend = device, backend  # as validated on a host with that device
     profile = load_profile(cfg.model, cfg.cluster, micro_batch=2, seq_len=cfg.train.seq_len, tp=1)

@@ -312,26 +312,29 @@ class Generation:
         return self._post(post_p2p, self.backend, group.recv, tensor, rank, tag, True)
 
     def exchange(self, sends: Mapping[int, torch.Tensor], receives: Mapping[int, torch.Tensor], *, tag: int = 0) -> None:
-        """Send ``sends[d]`` to and receive ``receives[d]`` from each device ``d`` as one batch; wait for all of it.
-
-        On a backend that coalesces (NCCL, HCCL) each pair's ops are one group call, so two devices
-        that send to each other cannot deadlock on unmatched sends; gloo's ops are posted, then waited.
-        """
-        works: list[tuple[dist.Work, int]] = []
-        for peer in sorted({*sends, *receives}):
-            group, rank = self._pair(peer)
-            ops = [(group.send, sends[peer], False)] if peer in sends else []
-            ops += [(group.recv, receives[peer], True)] if peer in receives else []
-            if group.supports_coalescing:
-                group._start_coalescing(self.device)
-                for op, tensor, receive in ops:
-                    self._post(op, [tensor], rank, tag)
-                works.append((self._post(group._end_coalescing, self.device), peer))
-            else:
-                works += [(self._post(post_p2p, self.backend, op, tensor, rank, tag, receive), peer)
-                          for op, tensor, receive in ops]
+        """Send ``sends[d]`` to and receive ``receives[d]`` from each device ``d`` as one batch per peer
+        (:meth:`post_batch`); wait for all of it."""
+        works = [(work, peer) for peer in sorted({*sends, *receives})
+                 for work in self.post_batch(peer, sends=[(sends[peer], tag)] if peer in sends else (),
+                                             receives=[(receives[peer], tag)] if peer in receives else ())]
         for work, peer in works:
             self.wait(work, peer=peer)
+
+    def post_batch(self, peer: int, *, sends: Sequence[tuple[torch.Tensor, int]] = (),
+                   receives: Sequence[tuple[torch.Tensor, int]] = ()) -> list[dist.Work]:
+        """Post sends to and receives from ``peer`` (``(tensor, tag)`` each) as one batch, and return its works.
+
+        On a backend that coalesces (NCCL, HCCL) the batch is one group call, so two devices that send
+        to each other cannot deadlock on unmatched sends; gloo's ops are posted one by one.
+        """
+        group, rank = self._pair(peer)
+        ops = [(group.send, t, tag, False) for t, tag in sends] + [(group.recv, t, tag, True) for t, tag in receives]
+        if not group.supports_coalescing:
+            return [self._post(post_p2p, self.backend, op, t, rank, tag, receive) for op, t, tag, receive in ops]
+        group._start_coalescing(self.device)
+        for op, t, tag, _ in ops:
+            self._post(op, [t], rank, tag)
+        return [self._post(group._end_coalescing, self.device)]
 
     def all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...]) -> None:
         """In-place sum over ``members`` (device ids in any order, a declared group)."""

@@ -1,7 +1,8 @@
 """The executor that runs one step of a plan's 1F1B action lists (:mod:`chameleon.layout.schedule`).
 
 Messages carry a tag per (pipeline, sending stage, direction), so a pair of
-devices exchanging several kinds of traffic can never mismatch them.
+devices exchanging several kinds of traffic can never mismatch them. A send to
+the device received from next goes with that receive as one batch (:class:`_Links`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,45 @@ def stage_forward(model: ModelConfig, *, compiled: bool) -> Callable[..., torch.
     return _compiled(forward) if compiled else forward
 
 
+class _Links:
+    """This device's point-to-point traffic in a step. A send to the very device it receives from next is held and
+    posted with that receive as one batch — 1F1B's steady state, activations out and gradients back over one pair
+    at once, which NCCL needs in one group call (:meth:`Generation.post_batch`) — and every other send at once."""
+
+    def __init__(self, gen: Generation):
+        self.gen = gen
+        self.held: tuple[int, torch.Tensor, int] | None = None  # (peer, tensor, tag)
+        self.sends: list[dist.Work] = []
+
+    def send(self, tensor: torch.Tensor, peer: int, *, tag: int, next_from: int | None) -> None:
+        """Send ``tensor`` to ``peer``; held when ``peer`` is the device this one receives from next."""
+        if peer == next_from:
+            self.held = (peer, tensor, tag)
+        else:
+            self.sends.append(self.gen.send(tensor, peer, tag=tag))
+
+    def receive(self, buffer: torch.Tensor, peer: int, *, tag: int) -> None:
+        """Receive ``buffer`` from ``peer`` (with the send held for it, in one batch) and wait for it."""
+        held, self.held = self.held, None
+        sends = [(held[1], held[2])] if held is not None else []
+        self.gen.wait(*self.gen.post_batch(peer, sends=sends, receives=[(buffer, tag)]), peer=peer)
+
+    def finish(self) -> None:
+        """Wait for every send posted (a held send is always followed by its receive)."""
+        self.gen.wait(*self.sends)
+        self.sends.clear()
+
+
+def _source(plan: Plan, action: Action, me: int) -> int | None:
+    """The device ``action`` receives from: the previous stage's executor of its micro-batch (a forward's
+    activations) or the next stage's (a backward's gradient); None for a first forward or a last backward."""
+    p, s, i = action.pipeline, action.stage, action.micro
+    t = executors(plan, p, s, i).index(me)
+    if action.kind == "F":
+        return executors(plan, p, s - 1, i)[t] if s > 0 else None
+    return executors(plan, p, s + 1, i)[t] if s < plan.pipelines[p].n_stages - 1 else None
+
+
 class _Forwards:
     """The forward of one action of a step: its inputs (tokens or the previous stage's activations), its output,
     and the send of that output to the next stage (the activations' peer is the executor of the same rank)."""
@@ -89,14 +129,16 @@ class _Forwards:
         self.busy = busy
         self.first_micro = [r.start for r in micro_batch_ranges(plan)]
         self.hidden_shape = (plan.micro_batch_size, train.seq_len, model.dim)
-        self.sends = []
+        self.links = _Links(gen)
 
     def hidden(self) -> torch.Tensor:
         return torch.empty(self.hidden_shape, device=self.state.device, dtype=self.state.compute_dtype)
 
-    def __call__(self, action: Action, batch: int) -> tuple[torch.Tensor, torch.Tensor, range, bool]:
+    def __call__(self, action: Action, batch: int, *, next_from: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, range, bool]:
         """``(input, output, sample ids, counts)`` of forward ``action`` of global batch ``batch``; the output is the
-        summed token loss on a last stage (``counts``: this device adds it up, the TP group's first)."""
+        summed token loss on a last stage (``counts``: this device adds it up, the TP group's first). ``next_from``:
+        the device the next action receives from (:class:`_Links`)."""
         plan, gen, p, s, i = self.plan, self.gen, action.pipeline, action.stage, action.micro
         pipe = plan.pipelines[p]
         first, last = s == 0, s == pipe.n_stages - 1
@@ -109,8 +151,7 @@ class _Forwards:
             x = tokens
         else:
             x = self.hidden()
-            src = executors(plan, p, s - 1, i)[t]
-            gen.wait(gen.recv(x, src, tag=message_tag(p, s - 1, False)), peer=src)
+            self.links.receive(x, executors(plan, p, s - 1, i)[t], tag=message_tag(p, s - 1, False))
             x.requires_grad_(torch.is_grad_enabled())
         with self.busy:
             out = stage_forward(self.model, compiled=self.train.compile)(
@@ -118,8 +159,8 @@ class _Forwards:
                 targets=targets if last else None, tp=self.tp, recompute=self.train.recompute,
             )
         if not last:
-            self.sends.append(gen.send(out.detach().contiguous(), executors(plan, p, s + 1, i)[t],
-                                       tag=message_tag(p, s, False)))
+            self.links.send(out.detach().contiguous(), executors(plan, p, s + 1, i)[t], tag=message_tag(p, s, False),
+                            next_from=next_from)
         return x, out, ids, last and t == 0
 
 
@@ -168,8 +209,9 @@ def run_step(
             p, s, i = action.pipeline, action.stage, action.micro
             if on_phase is not None:
                 on_phase("forward" if action.kind == "F" else "backward", step=step, detail=i)
+            next_from = _source(plan, actions[k + 1], gen.me) if k + 1 < len(actions) else None
             if action.kind == "F":
-                x, out, ids, counts = forward(action, step)
+                x, out, ids, counts = forward(action, step, next_from=next_from)
                 if s == plan.pipelines[p].n_stages - 1:
                     out = out * scale
                     if counts:
@@ -186,16 +228,15 @@ def run_step(
                     out.backward()
             else:
                 grad = forward.hidden()
-                src = executors(plan, p, s + 1, i)[t]
-                gen.wait(gen.recv(grad, src, tag=message_tag(p, s + 1, True)), peer=src)
+                forward.links.receive(grad, executors(plan, p, s + 1, i)[t], tag=message_tag(p, s + 1, True))
                 with busy:
                     out.backward(grad)
             if s > 0:
-                forward.sends.append(gen.send(x.grad.contiguous(), executors(plan, p, s - 1, i)[t],
-                                              tag=message_tag(p, s, True)))
+                forward.links.send(x.grad.contiguous(), executors(plan, p, s - 1, i)[t], tag=message_tag(p, s, True),
+                                   next_from=next_from)
     finally:
         sync.close()
-    gen.wait(*forward.sends)
+    forward.links.finish()
     finite = torch.isfinite(loss_sum) & state.grads_finite()  # the device's own, before the sums land
     result.busy_s = busy.seconds
     sync.finish(None if on_phase is None else functools.partial(on_phase, "sync", step=step))
@@ -243,8 +284,7 @@ def evaluate(
                 _, out, _, counts = forward(action, batch)
                 if counts:
                     total += out.double()
-            gen.wait(*forward.sends)
-            forward.sends.clear()
+            forward.links.finish()
     return total.item() / (train.eval_batches * train.global_batch * train.seq_len)
 
 
