@@ -1,5 +1,6 @@
-"""A generation abandoned after a peer died lets its gloo connections go: no thread of a survivor keeps
-spinning on the dead peer's connection for the rest of the run (real processes, a real SIGKILL)."""
+"""Generations left behind let their groups go: one abandoned after a peer died lets its gloo connections go (no
+thread of a survivor keeps spinning on the dead peer's connection for the rest of the run: real processes, a real
+SIGKILL), and one left in good order shuts down the groups its successor does not keep."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from chameleon.runtime.worker.comm import Generation, PeerFailure
+from conftest import run_ranks
 
 WORLD, VICTIM, AT, FAULT = 4, 1, 3, "fault"
 
@@ -86,3 +88,46 @@ def test_an_abandoned_generation_leaves_no_thread_spinning_on_a_dead_peer():
     assert procs[VICTIM].exitcode == -signal.SIGKILL
     assert all(outcome == "abandoned" for outcome, _ in got.values()), got
     assert all(cpu_s < 0.3 for _, cpu_s in got.values()), f"background CPU over 2 s, by survivor: {got}"
+
+
+def sockets() -> int:
+    """Sockets this process holds open."""
+    fds, count = f"/proc/{os.getpid()}/fd", 0
+    for fd in os.listdir(fds):
+        try:
+            count += os.readlink(f"{fds}/{fd}").startswith("socket:")
+        except FileNotFoundError:  # the listing's own descriptor, closed since
+            pass
+    return count
+
+
+def switching_worker(rank: int, world: int, port: int) -> None:
+    """Generation 0 holds the world group and a pair group; generation 1, switched to in good order, keeps the pair:
+    the world group is shut down and its connections close, and the pair it kept still sums."""
+    torch.set_num_threads(1)
+    client = partial(dist.TCPStore, "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=30))
+    store = client()
+    pair, everyone = (0, 1), tuple(range(world))
+    first = Generation(connect_store=lambda: store, generation=0, me=rank, backend="gloo", timeout_s=30,
+                       host="127.0.0.1", groups=[everyone, pair])
+    first.all_reduce(torch.ones(4), everyone)
+    held = sockets()
+    second = Generation(connect_store=lambda: store, generation=1, me=rank, backend="gloo", timeout_s=30,
+                        host="127.0.0.1", groups=[pair], reuse=first)
+    assert second.built == 0  # the pair was kept, nothing connected anew
+    first.retire(second)
+    deadline = time.monotonic() + 10
+    while sockets() > held - (world - 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sockets() <= held - (world - 1), (held, sockets())  # the world group's connections closed
+    if rank in pair:
+        total = torch.full((4,), float(rank + 1))
+        second.all_reduce(total, pair)
+        assert torch.equal(total, torch.full((4,), 3.0))
+    store.set(f"done{rank}", "1")  # the store's owner waits for everyone before it goes
+    if rank == 0:
+        store.wait([f"done{r}" for r in range(world)])
+
+
+def test_a_generation_left_in_good_order_closes_the_groups_its_successor_does_not_keep():
+    run_ranks(switching_worker, 3)

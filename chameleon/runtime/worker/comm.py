@@ -315,26 +315,30 @@ class Generation:
         """Send ``sends[d]`` to and receive ``receives[d]`` from each device ``d`` as one batch per peer
         (:meth:`post_batch`); wait for all of it."""
         works = [(work, peer) for peer in sorted({*sends, *receives})
-                 for work in self.post_batch(peer, sends=[(sends[peer], tag)] if peer in sends else (),
-                                             receives=[(receives[peer], tag)] if peer in receives else ())]
+                 for posted in self.post_batch(peer, sends=[(sends[peer], tag)] if peer in sends else (),
+                                               receives=[(receives[peer], tag)] if peer in receives else ())
+                 for work in posted]
         for work, peer in works:
             self.wait(work, peer=peer)
 
     def post_batch(self, peer: int, *, sends: Sequence[tuple[torch.Tensor, int]] = (),
-                   receives: Sequence[tuple[torch.Tensor, int]] = ()) -> list[dist.Work]:
-        """Post sends to and receives from ``peer`` (``(tensor, tag)`` each) as one batch, and return its works.
+                   receives: Sequence[tuple[torch.Tensor, int]] = ()) -> tuple[list[dist.Work], list[dist.Work]]:
+        """Post sends to and receives from ``peer`` (``(tensor, tag)`` each) as one batch: the works of its sends
+        alone, and those that complete its receives.
 
         On a backend that coalesces (NCCL, HCCL) the batch is one group call, so two devices that send
-        to each other cannot deadlock on unmatched sends; gloo's ops are posted one by one.
+        to each other cannot deadlock on unmatched sends (one work completes it all); gloo's ops are
+        posted one by one.
         """
         group, rank = self._pair(peer)
         ops = [(group.send, t, tag, False) for t, tag in sends] + [(group.recv, t, tag, True) for t, tag in receives]
         if not group.supports_coalescing:
-            return [self._post(post_p2p, self.backend, op, t, rank, tag, receive) for op, t, tag, receive in ops]
+            works = [self._post(post_p2p, self.backend, op, t, rank, tag, receive) for op, t, tag, receive in ops]
+            return works[:len(sends)], works[len(sends):]
         group._start_coalescing(self.device)
         for op, t, tag, _ in ops:
             self._post(op, [t], rank, tag)
-        return [self._post(group._end_coalescing, self.device)]
+        return [], [self._post(group._end_coalescing, self.device)]
 
     def all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...]) -> None:
         """In-place sum over ``members`` (device ids in any order, a declared group)."""
@@ -388,6 +392,23 @@ class Generation:
         if not aborted.wait(self.abort_s):
             raise DeviceFault(f"aborting generation {self.generation}'s communicators did not return within "
                               f"{self.abort_s:g} s (ft.abort_timeout_s): this device fences itself")
+
+    def retire(self, successor: Generation) -> None:
+        """Leave this generation in good order for ``successor`` (built with ``reuse=self``: every member switched at
+        the same step boundary, nothing in flight): the groups it does not keep are shut down on a side thread
+        (NCCL/HCCL: their communicators flushed and destroyed, their device memory freed; gloo: connections closed)
+        and let go. Nothing waits for it: a shutdown that blocks holds only its own thread."""
+        kept = {id(group) for group in successor._groups.values()}
+        retired = [group for group in self._groups.values() if id(group) not in kept]
+        self._groups.clear()
+
+        def run() -> None:
+            self._waiter.submit(lambda: None).done.wait()  # its last call's work lets its group go
+            for group in retired:
+                group.shutdown()
+            retired.clear()
+
+        threading.Thread(target=run, name=f"chameleon-retire-gen{self.generation}", daemon=True).start()
 
     def _release(self) -> None:
         """Gloo: once the calls under way have returned (a dead peer's error, or the group's timeout), let this

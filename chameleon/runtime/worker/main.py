@@ -259,6 +259,8 @@ def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> Non
                 on_connect=partial(faults.phase, "rebuild", step=resume, detail=1), device=device,
                 abort_s=cfg.ft.abort_timeout_s,
             )
+            if previous is not None:
+                previous.retire(gen)
             previous = None
             try:
                 established = _establish(gen_spec, state, gen=gen, model=model, cfg=cfg, device=device, faults=faults)
@@ -277,13 +279,15 @@ def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> Non
                 state.discard_gradients()
             if gen is not None:
                 gen.abandon(before_abort=faults.abort_started)
+            if previous is not None:  # its successor broke while connecting: keep it referenced, as a broken one
+                ABANDONED.append(previous)
             previous = None
             generation += 1
             continue
-        ABANDONED.append(gen)  # left in good order, but never torn down: peers may still hold it
         if order is not None and order.switch_to is not None:
-            generation, previous = order.switch_to, gen  # every group is quiescent: the next keeps what it can
-            continue
+            generation, previous = order.switch_to, gen  # every group is quiescent: the next keeps what it can, the
+            continue  # rest is retired
+        ABANDONED.append(gen)  # the job's end: left in good order, never torn down (peers may still hold it)
         if order is not None:
             break  # a stop was ordered: the job ends
         if state is not None and cfg.output.save_params:

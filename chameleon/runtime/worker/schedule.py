@@ -99,8 +99,12 @@ class _Links:
     def receive(self, buffer: torch.Tensor, peer: int, *, tag: int) -> None:
         """Receive ``buffer`` from ``peer`` (with the send held for it, in one batch) and wait for it."""
         held, self.held = self.held, None
-        sends = [(held[1], held[2])] if held is not None else []
-        self.gen.wait(*self.gen.post_batch(peer, sends=sends, receives=[(buffer, tag)]), peer=peer)
+        if held is not None and held[0] != peer:  # not what the next action was read to receive: on its own
+            self.sends.append(self.gen.send(held[1], held[0], tag=held[2]))
+            held = None
+        sends, receives = self.gen.post_batch(peer, sends=[(held[1], held[2])] if held else [], receives=[(buffer, tag)])
+        self.sends += sends  # waited for at the end, as every send
+        self.gen.wait(*receives, peer=peer)
 
     def finish(self) -> None:
         """Wait for every send posted (a held send is always followed by its receive)."""
