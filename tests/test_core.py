@@ -2,7 +2,8 @@
 
 A job of two nodes × two devices (dp2 × pp2: pipeline 0 on node 0, pipeline 1 on node 1)
 is driven through registration, a generation's start, commits, a lost node, a node fault
-announced before it strikes, the progress watchdog, a SIGTERM, checkpoints and a growth.
+announced before it strikes, the progress watchdog, a SIGTERM, checkpoints, a growth, and
+recoveries decided in a thread the test runs by hand.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from chameleon.config import CONF_DIR, build_plan, pipelines_allowed, register_configs, to_config
+from chameleon.decision.coordinator import Transition
 from chameleon.decision.profiler import load_profile
 from chameleon.faults.spec import FaultSpec
 from chameleon.runtime.control.core import (
@@ -63,12 +65,41 @@ from chameleon.runtime.protocol.position import Position
 B = 8
 
 
-class Inline(Executor):
-    """Background planning, run at once (the core only ever waits on its futures)."""
+class ByHand(Executor):
+    """The decision thread, run by hand: work waits queued until the test has the thread take it up (under way, it
+    can no longer be cancelled) or run everything queued to its end."""
+
+    def __init__(self):
+        self.jobs: list[tuple[Future, object, tuple, dict]] = []
 
     def submit(self, fn, /, *args, **kwargs):
         future = Future()
-        future.set_result(fn(*args, **kwargs))
+        self.jobs.append((future, fn, args, kwargs))
+        return future
+
+    def start(self) -> Future:
+        """The thread takes up the first job queued."""
+        future = self.jobs[0][0]
+        assert future.set_running_or_notify_cancel()
+        return future
+
+    def run(self) -> None:
+        """The thread runs every job queued, in order; a cancelled one never runs."""
+        jobs, self.jobs = self.jobs, []
+        for future, fn, args, kwargs in jobs:
+            if future.running() or future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except Exception as err:  # noqa: BLE001 - the future carries it, as a thread pool's does
+                    future.set_exception(err)
+
+
+class Inline(ByHand):
+    """Background planning and decisions, run at once (the core only ever polls their futures)."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = super().submit(fn, *args, **kwargs)
+        self.run()
         return future
 
 
@@ -98,11 +129,12 @@ def config(*overrides: str):
     return to_config(cfg), build_plan(cfg)
 
 
-def core_of(*overrides: str, clock: FakeClock | None = None, faults=()) -> Core:
+def core_of(*overrides: str, clock: FakeClock | None = None, faults=(), decider: Executor | None = None) -> Core:
     cfg, plan = config(*overrides)
     profile = load_profile(cfg.model, cfg.cluster, micro_batch=2, seq_len=cfg.train.seq_len, tp=1)
     return Core(cfg, plan=plan, profile=profile, run_dir="/run", store_port=1234, ckpt_root=Path("/run/ckpt"),
-                saved=None, faults=list(faults), fired=[], planner=Inline(), clock=clock or FakeClock())
+                saved=None, faults=list(faults), fired=[], planner=Inline(), decider=decider or Inline(),
+                clock=clock or FakeClock())
 
 
 def hello(core: Core, node: int, **kw) -> Hello:
@@ -282,6 +314,89 @@ def test_a_lease_is_judged_on_what_the_controller_read_not_on_its_own_stall():
     assert "nothing heard for 3.1 s" in [e.event for e in of(out, Record)][0]["cause"]
 
 
+def killed(core: Core, device: int) -> list:
+    """Device ``device``'s worker was SIGKILLed in step 1's forward, as its node reports it."""
+    where = Position(core.generation, 1, "forward")
+    exited = Exited(device, core.generation, -9, where, core.clock.now, "last heartbeat")
+    return core.handle(Received(device // 2, exited))
+
+
+def test_leases_are_kept_while_a_recovery_is_decided_off_the_loop():
+    """Found at 8,192 devices: while the loop decided a loss for minutes, healthy nodes' leases lapsed. The decision
+    runs in a thread of its own: leases are renewed meanwhile, the watchdog counts no stall, and the next generation is
+    published once the decision is in."""
+    clock, decider = FakeClock(), ByHand()
+    core = started(core_of("policy.name=dynamic", "ft.stall_timeout_s=2", clock=clock, decider=decider))
+    step(core, 0)
+    out = killed(core, 1)
+    assert sent(out, Flag) == [Flag(0)] and not sent(out, Publish), "decided in its thread, not in the handler"
+    for _ in range(10):  # 5 s: five lease periods, over twice the stall bound
+        clock.advance(0.5)
+        assert core.handle(Received(1, Lease(1, 0))) == [Send(1, Renew(0))]
+        assert core.handle(Tick()) == [], "no lease lapsed, no probe, nothing published"
+    assert 1 in core.nodes and core.pending.failed == [1]
+    decider.run()
+    out = core.handle(Tick())
+    (publish,) = sent(out, Publish)
+    assert publish.spec.generation == 1 and set(publish.spec.devices) == {0, 2, 3}
+    (fault,) = [e.event for e in of(out, Record) if e.event["event"] == "fault"]
+    assert fault["failed_ranks"] == [1] and fault["decide_s"] == pytest.approx(5.0)
+
+
+def test_a_loss_while_a_recovery_is_decided_supersedes_that_decision():
+    """A decision under way knew nothing of a later loss: nothing of it is published, even once it finishes; the one
+    decision published is for both losses."""
+    clock, decider = FakeClock(), ByHand()
+    core = started(core_of("policy.name=dynamic", clock=clock, decider=decider))
+    step(core, 0)
+    out = killed(core, 1)
+    stale = decider.start()  # under way in the thread: too late to cancel
+    clock.advance(0.2)
+    out += killed(core, 2)
+    assert sent(out, Flag) == [Flag(0)], "the broken generation is flagged once"
+    decider.run()
+    assert isinstance(stale.result(), Transition) and stale.result().decision.failed == (1,), "it ran, for device 1"
+    out += core.handle(Tick())
+    (publish,) = sent(out, Publish)
+    assert publish.spec.generation == 1 and set(publish.spec.devices) == {0, 3}
+    (fault,) = [e.event for e in of(out, Record) if e.event["event"] == "fault"]
+    assert fault["failed_ranks"] == [1, 2] and "; then exit code -9" in fault["cause"]
+    assert set(fault["where"]) == {1, 2} and core.pending.failed == [1, 2]
+
+
+def test_no_recovery_found_in_the_decision_thread_stops_the_run_once_it_is_in():
+    """Devices 1 and 3 hold the same layers and no checkpoint exists: the decision for both losses finds no recovery;
+    the first loss's decision, still queued, never runs."""
+    decider = ByHand()
+    core = started(core_of("policy.name=dynamic", decider=decider))
+    step(core, 0)
+    killed(core, 1)
+    (queued, *_), = decider.jobs
+    killed(core, 3)
+    decider.run()
+    assert queued.cancelled()
+    with pytest.raises(TrainingError, match=r"no recovery is possible after losing devices \[1, 3\]"):
+        core.handle(Tick())
+    assert not sent(core.out, Publish)
+
+
+def test_a_run_is_not_over_while_a_recovery_is_decided_and_closing_cancels_the_decision():
+    """Node 1 is lost once node 0's devices stopped on a SIGTERM: the run is not over while its recovery is decided.
+    Closing the core cancels the decision (queued, it never runs)."""
+    decider = ByHand()
+    core = started(core_of("ckpt.interval=0", "policy.name=dynamic", decider=decider))
+    core.handle(Preempt())
+    step(core, 0)
+    for d in (0, 1):
+        core.handle(Received(0, Done(d, 0)))
+    core.handle(Lost(1, "its agent's link closed"))
+    assert not core.over
+    (queued, *_), = decider.jobs
+    core.close()
+    decider.run()
+    assert queued.cancelled() and not core.deciding.busy and not sent(core.handle(Tick()), Publish)
+
+
 def test_a_node_fault_is_noted_before_it_strikes_and_the_recovery_says_where():
     core = started(core_of("policy.name=dynamic"))
     where = Position(0, 1, "backward", 1, -1)
@@ -378,7 +493,7 @@ def test_recovery_plans_pipeline_only_over_a_backend_that_can(device, backend, l
     cfg.launcher.device, cfg.launcher.backend = device, backend  # as validated on a host with that device
     profile = load_profile(cfg.model, cfg.cluster, micro_batch=2, seq_len=cfg.train.seq_len, tp=1)
     core = Core(cfg, plan=plan, profile=profile, run_dir="/run", store_port=1234, ckpt_root=Path("/run/ckpt"),
-                saved=None, faults=[], fired=[], planner=Inline(), clock=FakeClock())
+                saved=None, faults=[], fired=[], planner=Inline(), decider=Inline(), clock=FakeClock())
     assert core.planner_.lengths == lengths
     assert pipelines_allowed(cfg.launcher) == (lengths != (1,))
 

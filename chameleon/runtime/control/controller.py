@@ -78,6 +78,29 @@ REAP_S = 30.0
 FIRED_FILE = "faults_fired.json"
 
 
+class Decider(ThreadPoolExecutor):
+    """The recovery decisions' thread, apart from the planner's (a long precompute never delays one). A decision
+    that finishes wakes the loop at once: a byte on a pipe the loop selects on (``woken``)."""
+
+    def __init__(self):
+        super().__init__(max_workers=1, thread_name_prefix="chameleon-decider")
+        self.woken, self._wake = os.pipe()
+        os.set_blocking(self.woken, False)
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = super().submit(fn, *args, **kwargs)
+        future.add_done_callback(lambda _: os.write(self._wake, b"\0"))
+        return future
+
+    def drain(self) -> None:
+        os.read(self.woken, 4096)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait, cancel_futures=cancel_futures)
+        os.close(self.woken)
+        os.close(self._wake)
+
+
 class Controller:
     """Runs one training job over its nodes: workers, commits, fault detection, recovery, re-joins.
 
@@ -116,15 +139,17 @@ class Controller:
                                recompute=config.train.recompute)
         self.store, self.listener = open_meeting_points(launcher, secret)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chameleon-planner")
+        self.decider = Decider()
         saved = SavedState(start.committed_steps, time.time() - start.age_s, Path(resume)) if start else None
         self.core = Core(config, plan=plan, profile=profile, run_dir=str(run_dir), store_port=self.store.port,
                          ckpt_root=self.ckpt_root, saved=saved, faults=faults, fired=fired, planner=self.pool,
-                         clock=Clock())
+                         decider=self.decider, clock=Clock())
         self.local_pool = local_pool
         self.links: dict[int, Link] = {}
         self.node_of: dict[Link, int] = {}
         self.arriving: dict[Link, float] = {}
         self.selector = selectors.DefaultSelector()
+        self.selector.register(self.decider.woken, selectors.EVENT_READ, data=self.decider)
         self.heard_at = time.monotonic()  # when every link was last read (leases are judged up to then)
         self.watched: dict[int, object] = {}  # node 0's worker pipes and sentinels, by descriptor
         self.inbox: list[object] = []
@@ -153,6 +178,7 @@ class Controller:
             signal.signal(signal.SIGTERM, previous)
             self.core.close()
             self.pool.shutdown(cancel_futures=True)
+            self.decider.shutdown(cancel_futures=True)
             self.recorder.close()
         if self.core.stopping:
             raise Preempted(f"SIGTERM: stopped after saving the checkpoint of step {self.core.saved.committed_steps}; "
@@ -202,8 +228,8 @@ class Controller:
             self._select(TICK_S)
             if time.monotonic() - tick >= TICK_S:
                 tick = time.monotonic()
-                self._select(0.0)  # what arrived while the loop was busy (a long decision) renews leases first
-                heard_at = self.heard_at  # whatever runs from here on (a decision, a stall) is not a node's silence
+                self._select(0.0)  # what arrived while the loop was busy (a long publication) renews leases first
+                heard_at = self.heard_at  # whatever runs from here on (a publication, a stall) is not a node's silence
                 self.agent.pool.tick()
                 self._drain()
                 self._handle(Tick(heard_at))
@@ -260,6 +286,9 @@ class Controller:
                 self._flush(item)
             if events & selectors.EVENT_READ:
                 self._on_link(item)
+        elif item is self.decider:  # a recovery decided: published now, not at the next tick
+            self.decider.drain()
+            self._handle(Tick(self.heard_at))
         else:
             self.agent.pool.on_ready(item)
         self._drain()

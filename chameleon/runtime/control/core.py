@@ -17,13 +17,14 @@ event into effects:
   a checkpoint to commit on disk (:class:`SaveCheckpoint`), faults to remember as
   fired (:class:`Fired`).
 
-Time comes from an injected clock and background planning from an injected
-executor, so the whole protocol runs in tests without a process
-(``tests/test_core.py``). ``docs/protocol.md`` gives it as a state table.
+Time comes from an injected clock, and background planning and recovery decisions
+from injected executors (never the event loop's own time), so the whole protocol runs
+in tests without a process (``tests/test_core.py``). ``docs/protocol.md`` gives it as a state table.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -363,17 +364,78 @@ class NodeInfo:
 
 @dataclass
 class Search:
-    """Planning under way in the planner's thread, for the plan resident when it began (and the devices a growth
-    would take in, or the slow devices a reshape plans around, with their factors)."""
+    """Planning under way in a background thread, for the plan resident when it began, and what it is about: the
+    devices a growth would take in, the slow devices a reshape plans around with their factors, the loss a
+    recovery decides on."""
 
     resident: Plan
     future: Future
-    joining: frozenset[int] = frozenset()
-    speeds: tuple[tuple[int, float], ...] = ()
+    about: object
 
     def stands(self, resident: Plan) -> bool:
         """Whether it was searched for ``resident`` and has finished."""
         return self.resident is resident and self.future.done()
+
+
+class Background:
+    """One kind of planning in an executor's thread, one search at a time: submitted, then polled until it has
+    finished and taken. A new search or a cancel supersedes the one before: queued, it never runs; under way, it
+    finishes unheard."""
+
+    def __init__(self, executor: Executor):
+        self.executor = executor
+        self.search: Search | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.search is not None
+
+    def submit(self, resident: Plan, about: object, fn, /, *args, **kwargs) -> None:
+        self.cancel()
+        self.search = Search(resident, self.executor.submit(fn, *args, **kwargs), about)
+
+    def finished(self) -> Search | None:
+        """The search, taken, once it has finished; None while it runs, or when there is none."""
+        if self.search is None or not self.search.future.done():
+            return None
+        search, self.search = self.search, None
+        return search
+
+    def cancel(self) -> None:
+        if self.search is not None:
+            self.search.future.cancel()
+            self.search = None
+
+
+@dataclass(frozen=True)
+class Loss:
+    """What a recovery decides on: the devices lost (none: the same members, decided anew), why, the step it
+    resumes at, and when the loss happened and was detected."""
+
+    devices: frozenset[int]
+    cause: str
+    step: int
+    t_fault: float
+    t_detect: float
+    source: str
+    where: dict
+
+    def then(self, later: Loss) -> Loss:
+        """This loss and ``later``, which came while this one was being decided: one decision for both."""
+        return replace(self, devices=self.devices | later.devices, cause=f"{self.cause}; then {later.cause}",
+                       where={**self.where, **later.where})
+
+
+def recover(coordinator: Coordinator, precomputed: Future | None, resident: Plan, /, *, alive: set[int],
+            **kwargs) -> Transition:
+    """:meth:`Coordinator.recover`, in the decision thread, from the precomputed shape for what survives, placed
+    (``precomputed``: the finished precompute for ``resident``, if any; one that fails is a missing one)."""
+    placed = None
+    if precomputed is not None:
+        units = geometry_of(resident).units(alive)  # the units the selector re-plans onto
+        with contextlib.suppress(Exception):  # a failed precompute is a missing one
+            placed = precomputed.result().plan_for(units, resident, coordinator.profile)
+    return coordinator.recover(resident, alive=alive, precomputed=placed, **kwargs)
 
 
 @dataclass
@@ -395,13 +457,15 @@ class Core:
         ckpt_root: where this job's checkpoints go.
         saved: the checkpoint the job resumes from, if any.
         faults: the faults still to fire; ``fired``: those an earlier launch fired.
-        planner: runs the planner's background work (a thread pool; inline in tests).
+        planner: runs the planner's background work: precomputes, growths, reshapes (a thread; inline in tests).
+        decider: runs recovery decisions, never on the event loop nor behind the planner's work (a thread of
+            their own; inline in tests).
         clock: time.
     """
 
     def __init__(self, config: Config, *, plan: Plan, profile: Profile, run_dir: str, store_port: int, ckpt_root: Path,
                  saved: SavedState | None, faults: list[FaultSpec], fired: list[FaultSpec], planner: Executor,
-                 clock: Clock = Clock()):
+                 decider: Executor, clock: Clock = Clock()):
         self.config, self.run_dir, self.store_port, self.clock = config, run_dir, store_port, clock
         self.ckpt_root = ckpt_root
         self.launcher, self.train, self.ft = config.launcher, config.train, config.ft
@@ -451,15 +515,15 @@ class Core:
         self.last_commit = self.last_progress = self.leases_checked = clock.mono()
         self.probe: _Probe | None = None
         self.probes = 0
-        self.planner = planner
-        self.precomputed: Search | None = None
-        self.growth: Search | None = None
+        self.precomputed = Background(planner)
+        self.growth = Background(planner)
+        self.deciding = Background(decider)  # a recovery's decision, from the fault to its publication
         self.stragglers = (Stragglers(ratio=self.ft.slow_ratio, window=self.ft.slow_window)
                            if self.ft.slow == SlowPolicy.on else None)
         self.work: dict[int, float] = {}  # each trainer's compute per step under the resident plan, as modelled
         self.roles: dict[int, tuple[int, int]] = {}  # each trainer's layers under the resident plan
         self.self_timed: dict[int, float] = {}  # idle members' slowdowns reported since the last commit
-        self.reshaping: Search | None = None
+        self.reshaping = Background(planner)
         self.reshape_due = False  # the verdict on slow devices changed since the last decision on it
         self.reshape_after = 0  # no decision on slow devices before this step: the last one stands its cost's worth
         self.reshapes: list[Reshape] = []
@@ -510,12 +574,13 @@ class Core:
                 self.preempt = True
             case _:
                 raise TypeError(f"unexpected event {event!r}")
+        self._decided()
         return self.out
 
     @property
     def over(self) -> bool:
-        """Every member still alive reported done, after the last step or a stop."""
-        finishing = self.ledger.finished or self.stopping
+        """Every member still alive reported done, after the last step or a stop (and no recovery is being decided)."""
+        finishing = (self.ledger.finished or self.stopping) and not self.deciding.busy
         return finishing and (set(self.ledger.members) & self.membership.members) <= self.done
 
     def _emit(self, *effects: object) -> None:
@@ -730,8 +795,8 @@ class Core:
         if self.stragglers is not None:
             self.stragglers.restart()
         if self.policy.precompute:  # the likely next faults need no search (the planner runs meanwhile)
-            self.precomputed = Search(self.resident, self.planner.submit(precompute_replans, self.resident,
-                                                                         self.planner_, self._likely_losses()))
+            self.precomputed.submit(self.resident, None, precompute_replans, self.resident, self.planner_,
+                                    self._likely_losses())
         now = self.clock.wall()
         self.last_commit = self.last_progress = self.clock.mono()
         self.t_train = self.t_train or now
@@ -874,11 +939,10 @@ class Core:
         self._say(f"chameleon: device {msg.device} found the checkpoint it restores damaged: {msg.why}; {older}")
         self._record(event="damaged_checkpoint", device=msg.device, step=msg.step, why=msg.why,
                      fallback=self.saved.committed_steps if self.saved else None, time=self.clock.wall())
-        self._emit(Broadcast(Flag(self.generation)))
-        self.ledger.break_generation()
+        self._break()
         now = self.clock.wall()
-        self._decide(set(), f"the checkpoint of step {msg.step} damaged", step=self.pending.step, t_fault=now,
-                     t_detect=now, source="reported", positions={})
+        self._decide(Loss(frozenset(), f"the checkpoint of step {msg.step} damaged", self.pending.step, now, now,
+                          "reported", {}))
 
     def _close_recovery(self, now: float, step_s: float | None) -> None:
         """The first commit after a fault (``step_s``: its compute), or the last validation redone (None)."""
@@ -912,7 +976,7 @@ class Core:
     # ----- faults -------------------------------------------------------------------------------
 
     def _on_fault(self, devices: set[int], cause: str, *, t_fault: float, where: dict, source: str) -> None:
-        """Fence the lost devices, flag the generation broken, decide, and publish the next generation."""
+        """Fence the lost devices, flag the generation broken, and decide on the next generation."""
         t_detect = self.clock.wall()
         self._fence(devices)  # harmless for the dead; a returned device that fails again is dropped too
         devices = self.membership.lose(devices)
@@ -921,8 +985,7 @@ class Core:
         if self.stragglers is not None:
             self.stragglers.forget(devices)
             self.reshape_due = bool(self.stragglers.slow)  # decided afresh on the plan the recovery brings
-        self._emit(Broadcast(Flag(self.generation)))
-        self.ledger.break_generation()
+        self._break()
         step = self.ledger.next_step
         nodes = {self.topology.node_of(d) for d in devices}
         self._record_fired([f for f in self.faults if (f.rank in devices or f.node in nodes)
@@ -934,35 +997,57 @@ class Core:
             raise JobRestart(f"devices {sorted(devices)} lost at step {step} ({cause}); ft.on_fault=exit: "
                              f"relaunch with ckpt.resume={self.ckpt_root}")
         self.fault_times.append(t_fault - self.t0)
-        self._decide(devices, cause, step=step, t_fault=t_fault, t_detect=t_detect, source=source, positions=positions)
+        self._decide(Loss(frozenset(devices), cause, step, t_fault, t_detect, source, positions))
 
-    def _decide(self, devices: set[int], cause: str, *, step: int, t_fault: float, t_detect: float, source: str,
-                positions: dict) -> None:
-        """Decide how to go on from the resident plan without ``devices`` (none: the same members, anew), resuming
-        at ``step``, and publish the next generation."""
+    def _break(self) -> None:
+        """Flag the generation broken to every node (once: a loss while a decision is under way finds it flagged)."""
+        if not self.ledger.broken:
+            self._emit(Broadcast(Flag(self.generation)))
+            self.ledger.break_generation()
+
+    def _decide(self, loss: Loss) -> None:
+        """Decide, in the decision thread, how to go on from the resident plan without ``loss.devices``, resuming at
+        ``loss.step``; the next generation is published once decided (:meth:`_decided`). A decision still under way
+        is superseded: it did not know of this loss, and decides nothing any more."""
         if self.pacing is not None:
             self._say_pace()  # a new fault: the last one's pace is what it was
         if self.pending is None:
-            self.pending = Recovery(sorted(devices), cause, step, t_fault, t_detect, source, positions)
-            self.spans.append(("redone", self._step_start(), t_fault))  # the step the fault broke
+            self.pending = Recovery(sorted(loss.devices), loss.cause, loss.step, loss.t_fault, loss.t_detect,
+                                    loss.source, loss.where)
+            self.spans.append(("redone", self._step_start(), loss.t_fault))  # the step the fault broke
         else:
-            self.pending.failed = sorted(set(self.pending.failed) | devices)
-            self.pending.cause += f"; then {cause} during recovery"
-            self.pending.where.update(positions)
+            self.pending.failed = sorted(set(self.pending.failed) | loss.devices)
+            self.pending.cause += f"; then {loss.cause} during recovery"
+            self.pending.where.update(loss.where)
+        if self.deciding.busy:
+            loss = self.deciding.search.about.then(loss)
         self.growing = self.reshaped = None
-        if self.reshaping is not None:
-            self.reshaping.future.cancel()  # a fault supersedes it; a search under way finishes unheard
-            self.reshaping = None
-        for f in self.injector.during_decision(step):
+        self.growth.cancel()  # a fault supersedes them; a search under way finishes unheard
+        self.reshaping.cancel()
+        for f in self.injector.during_decision(loss.step):
             self._inject(f)
+        now = self.clock.wall()
+        self.deciding.submit(
+            self.resident, loss, recover, self.coordinator, self._precomputed(), self.resident,
+            alive=set(self.membership.members), next_step=loss.step, saved=self.saved, now=now,
+            fault_times=list(self.fault_times), elapsed_s=now - self.t0,
+            fresh=None if self.t_train is not None else self.config.ckpt.resume or "", measured=self._measured(),
+            speeds=dict(self.stragglers.slow) if self.stragglers is not None else {},
+        )
+        self._decided()
+
+    def _decided(self) -> None:
+        """A recovery decided in the decision thread: say so and publish the next generation.
+
+        Raises:
+            TrainingError: no recovery is possible.
+        """
+        search = self.deciding.finished()
+        if search is None:
+            return
+        loss: Loss = search.about
         try:
-            transition = self.coordinator.recover(
-                self.resident, alive=set(self.membership.members), next_step=step, saved=self.saved,
-                now=self.clock.wall(),
-                fault_times=self.fault_times, elapsed_s=t_detect - self.t0, precomputed=self._precomputed_for(devices),
-                fresh=None if self.t_train is not None else self.config.ckpt.resume or "", measured=self._measured(),
-                speeds=dict(self.stragglers.slow) if self.stragglers is not None else {},
-            )
+            transition: Transition = search.future.result()
         except NoRecovery as err:
             raise TrainingError(str(err)) from None
         rec = self.pending
@@ -970,17 +1055,18 @@ class Core:
         rec.estimated_step_s = transition.estimated_step_s
         if transition.manifest is not None:
             rec.manifest_bytes, rec.manifest_rounds = transition.manifest.wire_bytes, len(transition.manifest.rounds)
-        self._record(event="fault", generation=self.generation, failed_ranks=sorted(devices), cause=cause, step=step,
-                     where=positions, t_fault=t_fault, t_fault_source=source, detect_s=t_detect - t_fault,
-                     decide_s=rec.t_decided - t_detect, decision=rec.decision.to_dict(), manifest_bytes=rec.manifest_bytes,
+        self._record(event="fault", generation=self.generation, failed_ranks=sorted(loss.devices), cause=loss.cause,
+                     step=loss.step, where=loss.where, t_fault=loss.t_fault, t_fault_source=loss.source,
+                     detect_s=loss.t_detect - loss.t_fault, decide_s=rec.t_decided - loss.t_detect,
+                     decision=rec.decision.to_dict(), manifest_bytes=rec.manifest_bytes,
                      manifest_rounds=rec.manifest_rounds)
-        victims = "; ".join(f"device {d}: {p['where']}" for d, p in positions.items() if p)
+        victims = "; ".join(f"device {d}: {p['where']}" for d, p in loss.where.items() if p)
         reload = ""
         if transition.checkpoint:
             reload = (f"reloading the checkpoint of step {transition.resume_step} "
-                      f"({t_detect - self.saved.committed_at:.1f} s of progress lost)\n")
-        what = f"devices {sorted(devices)} lost" if devices else "deciding again"
-        self._say(f"\nchameleon: {what} at step {step} ({cause})"
+                      f"({loss.t_detect - self.saved.committed_at:.1f} s of progress lost)\n")
+        what = f"devices {sorted(loss.devices)} lost" if loss.devices else "deciding again"
+        self._say(f"\nchameleon: {what} at step {loss.step} ({loss.cause})"
                   + (f"\n  where: {victims}" if victims else "")
                   + f"\n{transition.decision.table()}\n{reload}new plan:\n{transition.plan.summary(self.resident)}")
         self._publish(transition.plan, members=transition.members, resume_step=transition.resume_step,
@@ -998,19 +1084,11 @@ class Core:
         nodes = range(1, min(self.ft.fault_domain_nodes, self.launcher.nnodes - 1) + 1)
         return {1} | {n * per_node for n in nodes}
 
-    def _precomputed_for(self, devices: set[int]) -> Plan | None:
-        """The precomputed shape for what survives, placed; None when none was searched for it, or its search
-        has not finished (a decision never waits on the planner's thread: the selector searches itself)."""
-        if self.growth is not None:
-            self.growth.future.cancel()  # a fault supersedes the growth; a search under way finishes unheard
-            self.growth = None
-        if self.precomputed is None or not self.precomputed.stands(self.resident):
-            return None
-        units = geometry_of(self.resident).units(self.membership.members)  # the units the selector re-plans onto
-        try:
-            return self.precomputed.future.result().plan_for(units, self.resident, self.profile)
-        except Exception:  # noqa: BLE001 - a failed precompute is a missing one
-            return None
+    def _precomputed(self) -> Future | None:
+        """The finished precompute for the resident plan; None when none was searched for it, or its search has not
+        finished (a decision never waits on the planner's thread: the selector searches itself)."""
+        search = self.precomputed.search
+        return search.future if search is not None and search.stands(self.resident) else None
 
     def _fence(self, devices: set[int]) -> None:
         """Make sure lost devices are dead: SIGKILL through their agents, where those can be reached."""
@@ -1035,10 +1113,11 @@ class Core:
 
     def _watchdog(self, now: float) -> None:
         """No commit within the progress bound: ask where everyone is, then fence the devices stuck on their
-        own, or stop naming the silent ones."""
+        own, or stop naming the silent ones. A recovery being decided is no stall: the bound runs from its
+        publication."""
         bound = self.stall_bound()
         quiet = now - self.last_progress
-        if self.generation < 0 or quiet <= bound or self.ledger.finished or self.stopping:
+        if self.generation < 0 or quiet <= bound or self.ledger.finished or self.stopping or self.deciding.busy:
             self.probe = None
             return
         if self.probe is None:
@@ -1087,18 +1166,18 @@ class Core:
         """Returned devices: decide in the planner's thread whether growing onto them pays."""
         standby = self.membership.standby
         joining = frozenset(standby)
-        if not joining or joining == self.declined or self.growth is not None or self.stopping:
+        if not joining or joining == self.declined or self.growth.busy or self.stopping:
             return
         settling = self.clock.wall() - max(standby.values()) < GROW_SETTLE_S
         if settling and self.membership.of(Lifecycle.restarting):
             return  # a node's devices come back together: wait a moment for the rest
         if not self.ledger.started or self.ledger.finished or self.pending is not None:
             return
-        self.growth = Search(self.resident, self.planner.submit(
-            self.coordinator.grow, self.resident, alive=set(self.membership.members), joining=set(joining),
-            fault_times=list(self.fault_times), elapsed_s=self.clock.wall() - self.t0, saved=self.saved,
-            now=self.clock.wall(), measured=self._measured(),
-        ), joining)
+        self.growth.submit(
+            self.resident, joining, self.coordinator.grow, self.resident, alive=set(self.membership.members),
+            joining=set(joining), fault_times=list(self.fault_times), elapsed_s=self.clock.wall() - self.t0,
+            saved=self.saved, now=self.clock.wall(), measured=self._measured(),
+        )
 
     def _measured(self) -> Measured:
         """The step times measured so far, and the estimator's scale on the plan running now."""
@@ -1106,10 +1185,10 @@ class Core:
 
     def _ripe_growth(self) -> Transition | None:
         """A decided growth, if it is ready and still stands (same plan, same devices back)."""
-        if self.growth is None or not self.growth.future.done():
+        growth = self.growth.finished()
+        if growth is None:
             return None
-        growth, self.growth = self.growth, None
-        joining = growth.joining
+        joining = growth.about
         standby = self.membership.standby
         if not growth.stands(self.resident) or not joining <= set(standby):
             return None
@@ -1165,27 +1244,28 @@ class Core:
 
     def _consider_reshape(self) -> None:
         """A changed verdict on slow devices: decide in the planner's thread how to train around them (Eq. 8)."""
-        if (not self.reshape_due or self.reshaping is not None or self.stopping or not self.ledger.started
+        if (not self.reshape_due or self.reshaping.busy or self.stopping or not self.ledger.started
                 or self.ledger.finished or self.pending is not None or self.growing is not None
                 or self.ledger.next_step < self.reshape_after or len(self.resident_times) < 1):
             return
         self.reshape_due = False
         speeds = dict(self.stragglers.slow)
         recent = sorted(self.resident_times[-self.ft.slow_window:])
-        self.reshaping = Search(self.resident, self.planner.submit(
-            self.coordinator.reshape, self.resident, alive=set(self.membership.members), speeds=speeds,
-            step_s=recent[len(recent) // 2], horizon_s=self.ft.slow_expected_s, fault_times=list(self.fault_times),
+        self.reshaping.submit(
+            self.resident, tuple(sorted(speeds.items())), self.coordinator.reshape, self.resident,
+            alive=set(self.membership.members), speeds=speeds, step_s=recent[len(recent) // 2],
+            horizon_s=self.ft.slow_expected_s, fault_times=list(self.fault_times),
             elapsed_s=self.clock.wall() - self.t0, saved=self.saved, now=self.clock.wall(),
-        ), speeds=tuple(sorted(speeds.items())))
+        )
         self.reshaped = Reshape(speeds, self.ledger.next_step, self.clock.wall())
 
     def _ripe_reshape(self) -> Transition | None:
         """A decided reshape that moves to a new plan, if it is ready and still stands (same plan, same verdict)."""
-        if self.reshaping is None or not self.reshaping.future.done():
+        search = self.reshaping.finished()
+        if search is None:
             return None
-        search, self.reshaping = self.reshaping, None
         timeline = self.reshaped
-        if not search.stands(self.resident) or search.speeds != tuple(sorted(self.stragglers.slow.items())):
+        if not search.stands(self.resident) or search.about != tuple(sorted(self.stragglers.slow.items())):
             self.reshaped, self.reshape_due = None, True
             return None
         outcome: Transition | Decision = search.future.result()
@@ -1221,10 +1301,9 @@ class Core:
         self._record(event="reshaped", generation=self.generation, time=now, **r.record())
 
     def close(self) -> None:
-        """Wait out background planning (a fault or the end supersedes it)."""
-        for search in (self.precomputed, self.growth, self.reshaping):
-            if search is not None:
-                search.future.cancel()
+        """Cancel background planning and a recovery's decision (the end supersedes them)."""
+        for background in (self.precomputed, self.growth, self.reshaping, self.deciding):
+            background.cancel()
 
 
 def config_difference(ours: dict, theirs: dict, prefix: str = "") -> list[str]:
