@@ -41,7 +41,7 @@ from chameleon.config import CONF_DIR, build_plan, model_config, register_config
 from chameleon.decision.config import ClusterConfig
 from chameleon.decision.estimator import REROUTE_SLOTS, estimate_step
 from chameleon.decision.profiler import load_profile, measure_background
-from chameleon.layout.plan import Pipeline, Plan, Reroute, Stage
+from chameleon.layout.plan import Pipeline, Plan, Recompute, Reroute, Stage
 
 # No injected fault; plans below start from plain DP over launcher.nproc_per_node workers (conf/parallel/dp.yaml).
 BASE = ("failure=none", "parallel=dp", "train.seq_len=64", "train.global_batch=16", "train.micro_batch=4")
@@ -104,7 +104,8 @@ def measure(overrides: tuple[str, ...], run_dir: Path, steps: int) -> dict:
 def plan_from_dict(d: dict) -> Plan:
     """The plan a decision recorded (``dataclasses.asdict`` of it) as a :class:`Plan`."""
     pipelines = tuple(
-        Pipeline(tuple(Stage(tuple(st["devices"]), tuple(st["layers"])) for st in p["stages"]), p["micro_batches"])
+        Pipeline(tuple(Stage(tuple(st["devices"]), tuple(st["layers"]), Recompute(st["recompute"]))
+                       for st in p["stages"]), p["micro_batches"])
         for p in d["pipelines"]
     )
     reroutes = tuple(Reroute(r["pipeline"], r["stage"], tuple(r["hosts"])) for r in d["reroutes"])

@@ -294,18 +294,20 @@ def model_config(cfg: DictConfig | dict) -> ModelConfig:
 
 
 def build_plan(cfg: DictConfig | dict) -> Plan:
-    """The failure-free plan of a config, from ``parallel.pipelines`` or ``parallel.dp/pp/tp``."""
+    """The failure-free plan of a config, from ``parallel.pipelines`` or ``parallel.dp/pp/tp``, every stage under
+    ``train.recompute``."""
     par, train = cfg["parallel"], cfg["train"]
     n_layers = cfg["model"]["n_layers"]
+    recompute = Recompute(train["recompute"])
     try:
         if par["pipelines"]:
             return plan_from_spec(
                 list(_plain(par["pipelines"])), tp=par["tp"], n_layers=n_layers,
-                global_batch=train["global_batch"], micro_batch=train["micro_batch"],
+                global_batch=train["global_batch"], micro_batch=train["micro_batch"], recompute=recompute,
             )
         return even_plan(
             dp=par["dp"], pp=par["pp"], tp=par["tp"], n_layers=n_layers,
-            global_batch=train["global_batch"], micro_batch=train["micro_batch"],
+            global_batch=train["global_batch"], micro_batch=train["micro_batch"], recompute=recompute,
         )
     except PlanError as err:
         raise ConfigError(str(err)) from None
@@ -338,9 +340,9 @@ def validate(cfg: DictConfig) -> Plan:
     for key in ("steps", "global_batch", "micro_batch", "seq_len"):
         check(train[key] >= 1, f"train.{key}={train[key]}: must be ≥ 1")
     check(train.lr > 0, f"train.lr={train.lr}: must be > 0")
+    check(train.bucket_mb > 0, f"train.bucket_mb={train.bucket_mb}: must be > 0 (MB per gradient bucket)")
     _check_arch(model_config(cfg))
     _check_training_keys(cfg)
-    check(train.bucket_mb > 0, f"train.bucket_mb={train.bucket_mb}: must be > 0 (MB per gradient bucket)")
     for key in ("dp", "pp", "tp"):
         check(par[key] >= 1, f"parallel.{key}={par[key]}: must be ≥ 1")
     check(model.dim % model.n_heads == 0, f"model.dim={model.dim} is not divisible by model.n_heads={model.n_heads}")

@@ -10,7 +10,9 @@ is stretched by the share of a core each process gets. Stage costs fold the poin
 the sending stage (blocking send), so the closed form ``fill + (m−1)·bottleneck``
 is exact for uniform stages (Eq. 9) and an upper bound otherwise. Slow devices (``speeds``:
 device → how many times slower it computes) stretch every op of their stage and the
-optimizer step. Memory is
+optimizer step. Each stage is priced under its own activation recomputation (its backward reruns
+that share of its forward: :meth:`~chameleon.decision.profiler.Profile.under`); a plan over memory recomputes on
+the stages that need it (:func:`recomputed_to_fit`). Memory is
 :mod:`chameleon.layout.memory` (Eq. 14), the model config validation uses too. Who
 holds what — sync buckets and rounds, each device's share, what a device lacks after
 a re-plan — is the plan's :mod:`~chameleon.layout.geometry`, bytes per element its
@@ -30,7 +32,7 @@ from types import MappingProxyType
 from chameleon.decision.profiler import Profile, ring_all_reduce_s
 from chameleon.layout import memory
 from chameleon.layout.geometry import geometry_of, per_device
-from chameleon.layout.plan import Plan, Stage
+from chameleon.layout.plan import Plan, Stage, recomputing
 from chameleon.layout.schedule import Action, dependency, one_f_one_b, step_actions
 
 REROUTE_SLOTS = ("schedule", "max", "sum")
@@ -141,9 +143,10 @@ def slowdown(speeds: Speeds, devices: Sequence[int]) -> float:
 
 
 def _pipeline_costs(profile: Profile, stages: tuple[Stage, ...], speeds: Speeds = EVEN) -> tuple[list[float], list[float]]:
-    """Forward and backward seconds per micro-batch of each stage, at its devices' speed and TP size."""
+    """Forward and backward seconds per micro-batch of each stage, at its devices' speed, TP size and recomputation."""
     last = len(stages) - 1
-    costs = [stage_cost(profile, st.n_layers, first=s == 0, last=s == last, tp=st.tp) for s, st in enumerate(stages)]
+    costs = [stage_cost(profile.under(st.recompute), st.n_layers, first=s == 0, last=s == last, tp=st.tp)
+             for s, st in enumerate(stages)]
     factors = [slowdown(speeds, st.devices) for st in stages]
     return [c[0] * f for c, f in zip(costs, factors)], [c[1] * f for c, f in zip(costs, factors)]
 
@@ -186,7 +189,8 @@ def reroute_extra(profile: Profile, plan: Plan, *, slots: str = "max") -> float:
     for r in plan.reroutes:
         pipe = plan.pipelines[r.pipeline]
         stage = pipe.stages[r.stage]
-        fwd, bwd = stage_cost(profile, stage.n_layers, first=r.stage == 0, last=r.stage == pipe.n_stages - 1)
+        fwd, bwd = stage_cost(profile.under(stage.recompute), stage.n_layers, first=r.stage == 0,
+                              last=r.stage == pipe.n_stages - 1)
         extra = math.ceil(pipe.micro_batches / len(r.hosts)) * (fwd + bwd)
         per_stage[r.stage] = per_stage.get(r.stage, 0.0) + extra
     if not per_stage:
@@ -341,7 +345,7 @@ def estimate_step(profile: Profile, plan: Plan, *, reroute_slots: str = "schedul
     by_shape: dict[tuple, float] = {}  # pipelines of one shape (and speed) take the same time
     times = []
     for p in plan.pipelines:
-        shape = (tuple((st.n_layers, slowdown(speeds, st.devices)) for st in p.stages), p.micro_batches)
+        shape = (tuple((st.n_layers, st.recompute, slowdown(speeds, st.devices)) for st in p.stages), p.micro_batches)
         if shape not in by_shape:
             by_shape[shape] = pipeline_time(*_pipeline_costs(profile, p.stages, speeds), p.micro_batches)
         times.append(by_shape[shape])
@@ -389,6 +393,29 @@ def symmetric_step(n_stages: int, n_micro: int, fwd: float, bwd: float) -> float
 def memory_per_device(profile: Profile, plan: Plan) -> dict[int, float]:
     """Eq. 14 per device (:func:`chameleon.layout.memory.plan_memory` with the profile's costs)."""
     return memory.plan_memory(profile.memory_costs, plan)
+
+
+def fits(profile: Profile, plan: Plan) -> bool:
+    """Whether every device of ``plan`` has the memory Eq. 14 says it needs."""
+    return max(memory_per_device(profile, plan).values()) <= profile.memory_bytes
+
+
+def recomputed_to_fit(profile: Profile, plan: Plan) -> Plan:
+    """``plan`` with every stage under the least recomputation, from the job's on (none, selective, full:
+    :attr:`~chameleon.decision.profiler.Profile.leaner`), whose Eq. 14 memory fits — the most the profile prices
+    where none does (:func:`fits` then says no) — and every rerouted stage under the most its hosts use (they run
+    its micro-batches): recomputation, and its rerun forward, only where memory needs it."""
+    modes = profile.leaner
+    if all(st.recompute == modes[0] for p in plan.pipelines for st in p.stages) and fits(profile, plan):
+        return plan  # the job's recomputation fits everywhere: the common case, at the price of one memory count
+    need = {mode: memory_per_device(profile, recomputing(plan, lambda j, s, mode=mode: mode)) for mode in modes}
+    chosen = {
+        (j, s): next((mode for mode in modes if need[mode][st.devices[0]] <= profile.memory_bytes), modes[-1])
+        for j, p in enumerate(plan.pipelines) for s, st in enumerate(p.stages) if st.devices
+    }
+    for r in plan.reroutes:
+        chosen[r.pipeline, r.stage] = max((chosen[h, r.stage] for h in r.hosts), key=modes.index)
+    return recomputing(plan, lambda j, s: chosen[j, s])
 
 
 def migration_time(profile: Profile, old: Plan, new: Plan) -> tuple[float, float]:

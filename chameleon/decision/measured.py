@@ -23,11 +23,12 @@ MIN_STEPS = 3  # steady steps a plan must have run before its median stands in f
 
 
 def plan_shape(plan: Plan) -> tuple:
-    """What a plan's step time depends on, device ids aside: stages' layers and TP widths, micro-batches, reroutes.
+    """What a plan's step time depends on, device ids aside: stages' layers, TP widths and recomputation,
+    micro-batches, reroutes.
 
     Pipelines are compared as a set unless reroutes name them by position.
     """
-    pipes = tuple((tuple((s.layers, s.tp) for s in p.stages), p.micro_batches) for p in plan.pipelines)
+    pipes = tuple((tuple((s.layers, s.tp, s.recompute) for s in p.stages), p.micro_batches) for p in plan.pipelines)
     return plan.micro_batch_size, pipes if plan.reroutes else tuple(sorted(pipes)), plan.reroutes
 
 

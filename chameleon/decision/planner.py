@@ -29,6 +29,11 @@ Two searches cover the space:
 
 A search may be bounded in time (:meth:`Planner.within`): when its budget runs out it
 returns the best partitions found so far, an anytime answer that is not cached.
+
+Both search under the job's activation recomputation (the profile's). When nothing fits so, the same search runs
+with every stage recomputing as much as the profile prices (:attr:`Planner.recomputing`). Either way the plan built
+recomputes only on the stages whose memory needs it
+(:func:`~chameleon.decision.estimator.recomputed_to_fit`) and is priced so.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
 import numpy as np
@@ -48,7 +53,7 @@ from scipy.optimize import linprog
 from chameleon.decision import estimator as est
 from chameleon.decision.profiler import Profile
 from chameleon.layout.geometry import Geometry, coverage, geometry_of
-from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage
+from chameleon.layout.plan import Pipeline, Plan, PlanError, Recompute, Stage
 
 _EPS = 1e-12
 
@@ -283,13 +288,16 @@ class Planner:
         exact_limit: The exact search runs when there are at most this many layer splits
             of the allowed lengths and this many multisets of them for the survivors.
         min_dp: The fewest pipelines a plan may have (2: every layer on two devices).
+
+    ``job`` is the profile plans are fitted to memory and priced with: ``profile`` itself, except in
+    :attr:`recomputing`, which searches under another recomputation.
     """
 
     def __init__(
         self, profile: Profile, *, dp_degrees: tuple[int, ...] = (), pp_lengths: tuple[int, ...] = (), top_k: int = 4,
         exact_limit: int = 4000, min_dp: int = 1,
     ):
-        self.profile = profile
+        self.profile = self.job = profile
         self.min_dp = min_dp
         self.dp_degrees = frozenset(dp_degrees)
         lengths = sorted(set(pp_lengths or range(1, profile.n_layers + 1)))
@@ -325,6 +333,19 @@ class Planner:
         """The same search restricted to plans of at least two pipelines (every layer held twice)."""
         twin = copy.copy(self)
         twin.min_dp, twin._searched = max(self.min_dp, 2), {}
+        twin.__dict__.pop("recomputing", None)  # its own, of at least two pipelines too
+        return twin
+
+    @cached_property
+    def recomputing(self) -> "Planner | None":
+        """The same search with every stage under the leanest recomputation the profile prices, which :meth:`choose`
+        falls back on when nothing fits under the job's; None when the profile prices none leaner."""
+        leanest = self.profile.leaner[-1]
+        if leanest == self.profile.recompute:
+            return None
+        twin = Planner(self.profile.under(leanest), dp_degrees=tuple(self.dp_degrees), pp_lengths=self.lengths,
+                       top_k=self.top_k, exact_limit=self.exact_limit, min_dp=self.min_dp)
+        twin.job = self.job
         return twin
 
     @cached_property
@@ -489,23 +510,30 @@ class Planner:
         return self._searched[key]
 
     def build(self, counts: dict, units: list[tuple[int, ...]], *, n_micro: int, micro_batch_size: int) -> Plan:
-        """The plan of a partition ``{length or Split: count}``: pipelines shortest first, devices in ``units`` order."""
+        """The plan of a partition ``{length or Split: count}``: pipelines shortest first, devices in ``units`` order,
+        stages recomputing where their memory needs it."""
         shape = self._resolve(counts)
         splits = [sp for sp, c in shape for _ in range(c)]
         micro = shares(splits, n_micro, min_step(list(shape), n_micro))
         pipelines, it = [], iter(units)
         for sp, m in zip(splits, micro):
-            stages = tuple(Stage(devices=next(it), layers=b) for b in sp.bounds())
+            stages = tuple(Stage(devices=next(it), layers=b, recompute=Recompute(self.job.recompute))
+                           for b in sp.bounds())
             pipelines.append(Pipeline(stages=stages, micro_batches=m))
-        return Plan(n_layers=self.profile.n_layers, micro_batch_size=micro_batch_size, pipelines=tuple(pipelines))
+        plan = Plan(n_layers=self.profile.n_layers, micro_batch_size=micro_batch_size, pipelines=tuple(pipelines))
+        return est.recomputed_to_fit(self.job, plan)
 
     def choose(self, units: list[tuple[int, ...]], *, n_micro: int, micro_batch_size: int) -> Plan:
-        """The best plan on ``units`` (TP groups, placed in order): top partitions re-scored exactly.
+        """The best plan on ``units`` (TP groups, placed in order): top partitions re-scored exactly; when none fits
+        in memory, :attr:`recomputing`'s.
 
         Raises:
-            PlanError: When no partition fits the allowed lengths, DP degrees and memory.
+            PlanError: When no partition fits the allowed lengths, DP degrees and memory, even recomputing.
         """
         top = self.search(len(units), n_micro) if units else []
+        if units and not top and not self.expired and self.recomputing is not None:
+            left = None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
+            return self.recomputing.within(left).choose(units, n_micro=n_micro, micro_batch_size=micro_batch_size)
         if not top and self.expired:
             raise PlanError(f"no plan for {len(units)} stage units found within the decision's budget "
                             "(policy.decide_budget_s): raise it, or let the planner precompute (policy.precompute)")
@@ -517,7 +545,7 @@ class Planner:
         scored = []
         for rank, (value, counts) in enumerate(top):
             plan = self.build(counts, units, n_micro=n_micro, micro_batch_size=micro_batch_size)
-            scored.append((est.estimate_step(self.profile, plan).t_step, value, rank, plan))
+            scored.append((est.estimate_step(self.job, plan).t_step, value, rank, plan))
         return min(scored, key=lambda x: x[:3])[3]
 
     def best(
@@ -529,7 +557,7 @@ class Planner:
         if previous is not None:
             plan = place(plan, previous, self.profile)
         search_s = time.perf_counter() - start
-        return PlannerResult(plan, est.estimate_step(self.profile, plan), search_s, self.top_k)
+        return PlannerResult(plan, est.estimate_step(self.job, plan), search_s, self.top_k)
 
 
 def place(plan: Plan, previous: Plan, profile: Profile) -> Plan:
@@ -558,7 +586,7 @@ def place(plan: Plan, previous: Plan, profile: Profile) -> Plan:
     assign = {next(slots_of[a]): next(groups_of[b]) for a, b in zip(*np.nonzero(flow)) for _ in range(flow[a, b])}
     slot_ids = iter(range(len(groups)))  # slots are listed in pipeline-then-stage order
     pipelines = tuple(
-        Pipeline(stages=tuple(Stage(devices=groups[assign[next(slot_ids)]], layers=st.layers) for st in p.stages), micro_batches=p.micro_batches)
+        Pipeline(stages=tuple(replace(st, devices=groups[assign[next(slot_ids)]]) for st in p.stages), micro_batches=p.micro_batches)
         for p in plan.pipelines
     )
     return Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=pipelines)
@@ -589,7 +617,7 @@ def refill(plan: Plan, units: list[tuple[int, ...]]) -> Plan:
     """``plan``'s shape with its stages given ``units`` in order (pipeline by pipeline); extra units idle."""
     it = iter(units)
     pipelines = tuple(
-        Pipeline(stages=tuple(Stage(devices=next(it), layers=st.layers) for st in p.stages), micro_batches=p.micro_batches)
+        Pipeline(stages=tuple(replace(st, devices=next(it)) for st in p.stages), micro_batches=p.micro_batches)
         for p in plan.pipelines
     )
     return Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=pipelines)

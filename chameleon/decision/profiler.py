@@ -2,8 +2,8 @@
 
 A :class:`Profile` is the estimator's only input about hardware. ``kind=local``
 measures this machine for real — per-layer forward/backward time of the model
-spec's ``stage_forward`` (:mod:`chameleon.model.spec`), the embedding and head extras, the
-bytes a forward keeps for its backward, an AdamW step (:func:`chameleon.optim.adamw`), gloo
+spec's ``stage_forward`` (:mod:`chameleon.model.spec`) under each recomputation, the embedding and head extras,
+the bytes a forward keeps for its backward, an AdamW step (:func:`chameleon.optim.adamw`), gloo
 point-to-point, all-reduce and group-creation costs with a few real processes, and a real
 tensor-parallel layer across ``tp`` gloo processes for each TP size this host can give a core
 per process — and caches the result as JSON.
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -37,7 +37,8 @@ from torch.utils._pytree import tree_leaves
 
 from chameleon.decision.config import ClusterConfig
 from chameleon.layout.geometry import ELEMENT_BYTES, StateBytes, UnitParams, state_bytes
-from chameleon.layout.memory import MemoryCosts
+from chameleon.layout.memory import LayerActivations, MemoryCosts
+from chameleon.layout.plan import Recompute
 from chameleon.layout.spec import placements_for, shard_region
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
@@ -56,6 +57,17 @@ class TPTerms(NamedTuple):
     bwd_idle_s: float = 0.0
 
 
+class RecomputeTerms(NamedTuple):
+    """One layer per micro-batch under recomputation ``recompute``: the share of its forward its backward reruns
+    (0 without recomputation), the bytes its forward keeps for the backward and those its backward rebuilds at once
+    (at the profile's TP size)."""
+
+    recompute: str
+    rerun: float
+    act_bytes: int
+    rebuilt_bytes: int
+
+
 @dataclass(frozen=True)
 class Profile:
     """Costs of one stage unit (a TP group of ``tp`` devices) per micro-batch.
@@ -67,7 +79,9 @@ class Profile:
     devices (worker processes), which time-share their node's cores with each other
     and with ``background_procs`` busy processes of other jobs. Compute times are CPU
     times: what an op costs on a core of its own. ``tp_terms`` prices a stage of any TP size
-    (:meth:`layer_s`, :class:`TPTerms`); a size not listed adds nothing (an analytic profile's layers).
+    (:meth:`layer_s`, :class:`TPTerms`); a size not listed adds nothing (an analytic profile's layers). The
+    layer terms are those of ``recompute`` (the job's ``train.recompute``); ``recompute_terms`` those of every
+    recomputation, which price a stage under its own (:meth:`under`).
     """
 
     key: str
@@ -110,11 +124,40 @@ class Profile:
     recompute: str = "none"  # train.recompute the layer costs were taken under (backward times include it)
     layer_rebuilt_bytes: int = 0  # what a layer's backward rebuilds at once under recompute (one micro-batch)
     tp_terms: tuple[TPTerms, ...] = ()  # what a layer adds at each TP size (measured profiles)
+    recompute_terms: tuple[RecomputeTerms, ...] = ()  # a layer under each recomputation (none: only its own priced)
 
     @classmethod
     def from_dict(cls, data: dict) -> Profile:
-        """The profile :meth:`to_dict` wrote (JSON lists made :class:`TPTerms` again)."""
-        return cls(**{**data, "tp_terms": tuple(TPTerms(*terms) for terms in data.get("tp_terms", ()))})
+        """The profile :meth:`to_dict` wrote (JSON lists made :class:`TPTerms` and :class:`RecomputeTerms` again)."""
+        return cls(**{**data, "tp_terms": tuple(TPTerms(*terms) for terms in data.get("tp_terms", ())),
+                      "recompute_terms": tuple(RecomputeTerms(*terms) for terms in data.get("recompute_terms", ()))})
+
+    @property
+    def leaner(self) -> tuple[str, ...]:
+        """The recomputations this profile prices from the job's on, each keeping less than the one before: what a
+        stage over memory may run under."""
+        priced = {terms.recompute for terms in self.recompute_terms} | {self.recompute}
+        order = list(Recompute)
+        return tuple(mode for mode in order[order.index(self.recompute):] if mode in priced)
+
+    def under(self, recompute: str) -> Profile:
+        """This profile with its layers under ``recompute``: its backward reruns that share of its forward (at every
+        TP size, the forward's TP terms included), and its activations are that recomputation's (as it is where
+        ``recompute_terms`` lists none)."""
+        return self._under.get(recompute, self)
+
+    @cached_property
+    def _under(self) -> dict[str, Profile]:
+        """:meth:`under` for each recomputation listed."""
+        own = {terms.recompute: terms.rerun for terms in self.recompute_terms}.get(self.recompute, 0.0)
+        return {
+            terms.recompute: replace(
+                self, recompute=terms.recompute, layer_bwd_s=self.layer_bwd_s + (terms.rerun - own) * self.layer_fwd_s,
+                layer_act_bytes=terms.act_bytes, layer_rebuilt_bytes=terms.rebuilt_bytes,
+                tp_terms=tuple(t._replace(bwd_s=t.bwd_s + (terms.rerun - own) * t.fwd_s) for t in self.tp_terms),
+            ) if terms.recompute != self.recompute else self
+            for terms in self.recompute_terms
+        }
 
     def tp_extra(self, tp: int) -> TPTerms:
         """The TP terms of size ``tp`` (not listed: nothing)."""
@@ -139,16 +182,19 @@ class Profile:
 
     @property
     def memory_costs(self) -> MemoryCosts:
-        """This profile's stage parts for :func:`chameleon.layout.memory.plan_memory` (layer activations made whole)."""
+        """This profile's stage parts for :func:`chameleon.layout.memory.plan_memory` (layer activations made whole,
+        under each recomputation it prices)."""
         acts = UnitParams(self.layer_act_bytes * self.tp, self.first_act_bytes, self.last_act_bytes)
+        layers_under = tuple(LayerActivations(t.recompute, t.act_bytes * self.tp, t.rebuilt_bytes * self.tp)
+                             for t in self.recompute_terms)
         return MemoryCosts(self.units, acts, self.state.resident + self.shadow_bytes_per_param,
-                           layer_rebuilt=self.layer_rebuilt_bytes * self.tp)
+                           layer_rebuilt=self.layer_rebuilt_bytes * self.tp, layers_under=layers_under)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-PROFILE_FORMAT = 6  # bumped whenever what a profile measures changes, so older cached profiles are measured anew
+PROFILE_FORMAT = 7  # bumped whenever what a profile measures changes, so older cached profiles are measured anew
 
 
 def profile_key(model: ModelConfig, *, micro_batch: int, seq_len: int, tp: int, device: str, recompute: str = "none") -> str:
@@ -180,7 +226,7 @@ def load_profile(
     path = Path(os.path.expanduser(cluster.cache_dir)) / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     if data.get("key") == key:
-        profile = Profile.from_dict(data)
+        profile = replace(Profile.from_dict(data), **_configured(cluster))  # the cluster's figures as given now
     else:
         profile = measure_profile(model, cluster, micro_batch=micro_batch, seq_len=seq_len, key=key, threads=threads,
                                   recompute=recompute)
@@ -205,6 +251,8 @@ def with_tensor_parallel(profile: Profile, tp: int) -> Profile:
         layer_bwd_s=bwd,
         layer_act_bytes=profile.layer_act_bytes // tp,
         layer_rebuilt_bytes=profile.layer_rebuilt_bytes // tp,
+        recompute_terms=tuple(t._replace(act_bytes=t.act_bytes // tp, rebuilt_bytes=t.rebuilt_bytes // tp)
+                              for t in profile.recompute_terms),
     )
 
 
@@ -254,16 +302,14 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
     head keeps fp32 logits. The optimizer step streams the weight, gradient and
     moments in and the weight, moments and compute copy out. Under ``recompute`` a layer keeps
     less; under ``full`` its backward reruns its forward (``selective`` reruns no matmul, only
-    element-wise ops, which count no FLOPs here: a measured profile times them).
+    element-wise ops, which count no FLOPs here: a measured profile times them). ``recompute_terms`` price
+    every recomputation the same way.
     """
     spec = spec_of(model)
     layer_p, first_p, last_p = spec.unit_params(model)
     tokens = micro_batch * seq_len
     rate = cluster.peak_tflops * 1e12 * cluster.mfu * tp
     layer_fwd, first_fwd, head_fwd = (flops * tokens / rate for flops in spec.forward_flops(model, seq_len, layer_p))
-    act_elems, rebuilt_elems = spec.layer_activations(model, micro_batch=micro_batch, seq_len=seq_len,
-                                                      recompute=recompute)
-    rerun = 1.0 if recompute == "full" else 0.0
     n_nodes = -(-cluster.n_devices // cluster.devices_per_node)
     dp_gbps = cluster.inter_gbps if n_nodes > 1 else cluster.intra_gbps
     if cluster.memory_gb is None:
@@ -271,6 +317,11 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
     if cluster.dtype not in ELEMENT_BYTES:
         raise ValueError(f"cluster.dtype={cluster.dtype!r}: use one of {sorted(ELEMENT_BYTES)}")
     elem, state = ELEMENT_BYTES[cluster.dtype], state_bytes(cluster.dtype)
+    terms = {mode: RecomputeTerms(mode, 1.0 if mode == Recompute.full else 0.0,
+                                  *(n * elem // tp for n in spec.layer_activations(model, micro_batch=micro_batch,
+                                                                                  seq_len=seq_len, recompute=mode)))
+             for mode in Recompute}
+    own = terms[recompute]
     return Profile(
         key=profile_key(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp, device=cluster.name, recompute=recompute),
         source=f"analytic {cluster.name}: {cluster.peak_tflops} TFLOP/s × {cluster.mfu}",
@@ -279,7 +330,7 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
         seq_len=seq_len,
         tp=tp,
         layer_fwd_s=layer_fwd,
-        layer_bwd_s=(2 + rerun) * layer_fwd,
+        layer_bwd_s=(2 + own.rerun) * layer_fwd,
         first_fwd_s=first_fwd,
         first_bwd_s=2 * first_fwd,
         last_fwd_s=head_fwd,
@@ -288,9 +339,10 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
         first_params=first_p,
         last_params=last_p,
         dtype=cluster.dtype,
-        layer_act_bytes=act_elems * elem // tp,
-        layer_rebuilt_bytes=rebuilt_elems * elem // tp,
+        layer_act_bytes=own.act_bytes,
+        layer_rebuilt_bytes=own.rebuilt_bytes,
         recompute=recompute,
+        recompute_terms=tuple(terms.values()),
         first_act_bytes=0,
         last_act_bytes=tokens * model.vocab_size * ELEMENT_BYTES["fp32"],  # the head is replicated
         boundary_bytes=tokens * model.dim * elem,
@@ -390,10 +442,12 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
     params = {n: t.requires_grad_() for n, t in spec.init_params(model, 0, names=names).items()}
     tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))
     hidden = torch.randn(micro_batch, seq_len, model.dim, requires_grad=True)
-    layer_f, layer_b, layer_act = _fwd_bwd(model, params, hidden, None, layers=(0, 1), first=False, last=False,
-                                           recompute=recompute)
-    whole = layer_act if recompute == "none" else \
-        _fwd_bwd(model, params, hidden, None, layers=(0, 1), first=False, last=False)[2]
+    by_mode = {mode: _fwd_bwd(model, params, hidden, None, layers=(0, 1), first=False, last=False, recompute=mode)
+               for mode in Recompute}
+    layer_f, layer_b, layer_act = by_mode[recompute]
+    plain_f, plain_b, whole = by_mode[Recompute.none]
+    terms = tuple(RecomputeTerms(mode, max(0.0, (b - plain_b) / plain_f), kept, whole - kept)
+                  for mode, (_, b, kept) in by_mode.items())
     first_f, first_b, first_act = _fwd_bwd(model, params, tokens, None, layers=(0, 0), first=True, last=False)
     last_f, last_b, last_act = _fwd_bwd(model, params, hidden, tokens, layers=(1, 1), first=False, last=True)
     layer_p, first_p, last_p = spec.unit_params(model)
@@ -412,7 +466,6 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
               for t, (fwd, bwd, fwd_idle, bwd_idle) in timed.items()}
     activation_all_reduce = partial(ring_all_reduce_s, comm["allreduce_latency_s"], comm["allreduce_bw"], boundary)
     counts = count_tp_all_reduces(model, params, hidden, recompute=recompute)
-    memory = cluster.memory_gb * 1e9 if cluster.memory_gb is not None else _host_memory() / cluster.n_devices
     return Profile(
         key=key,
         source=f"measured on this host ({os.cpu_count()} CPUs, {torch.get_num_threads()} threads)",
@@ -433,24 +486,29 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
         layer_act_bytes=layer_act,
         layer_rebuilt_bytes=whole - layer_act,
         recompute=recompute,
+        recompute_terms=terms,
         first_act_bytes=first_act,
         last_act_bytes=last_act,
         boundary_bytes=boundary,
-        memory_bytes=memory,
         p2p_bw=comm["p2p_bw"],
         p2p_latency_s=comm["p2p_latency_s"],
         dp_bw=comm["allreduce_bw"],
         dp_latency_s=comm["allreduce_latency_s"],
         group_create_s=comm["group_create_s"],
         optimizer_s_per_param=opt_s,
-        checkpoint_bw=cluster.checkpoint_gbps * 1e9,
-        restart_s=cluster.restart_s,
-        n_devices=cluster.n_devices,
-        devices_per_node=cluster.devices_per_node,
         host_cores=cores,
         commit_s=comm["commit_s"],
         tp_terms=tp_terms(model.tp_sizes, beyond, activation_all_reduce, counts),
+        **_configured(cluster),
     )
+
+
+def _configured(cluster: ClusterConfig) -> dict:
+    """A local profile's figures the cluster config gives, not measured: memory per device (this host's RAM ÷
+    ``n_devices`` when not given), checkpoint bandwidth, restart time and the cluster's shape."""
+    memory = cluster.memory_gb * 1e9 if cluster.memory_gb is not None else _host_memory() / cluster.n_devices
+    return dict(memory_bytes=memory, checkpoint_bw=cluster.checkpoint_gbps * 1e9, restart_s=cluster.restart_s,
+                n_devices=cluster.n_devices, devices_per_node=cluster.devices_per_node)
 
 
 def measure_tensor_parallel(model: ModelConfig, *, micro_batch: int, seq_len: int, recompute: str,

@@ -12,7 +12,9 @@ with no holder (:meth:`~chameleon.layout.geometry.Geometry.exposure`), ``C`` the
 restart, a reload and the progress since the newest checkpoint, or everything
 since the start when there is none (:func:`fault_cost_s`). With ``p = 0`` it is
 Eq. 8. The best feasible candidate wins; ties go to the smaller transition, then
-the name. What survives is decided region by region (:mod:`chameleon.layout.geometry`):
+the name. A candidate over memory recomputes activations on the stages that need it (selective, then full:
+:func:`~chameleon.decision.estimator.recomputed_to_fit`) before it is refused, and is priced with the rerun
+forwards. What survives is decided region by region (:mod:`chameleon.layout.geometry`):
 a layer lives while each of its TP shards has a live holder, whichever replica that
 is, and survivors of broken stages are regrouped into units a re-plan may use.
 Re-planning weighs the planner's best plan, its best with every layer
@@ -196,7 +198,7 @@ def reroute_plan(plan: Plan, failed: set[int]) -> Plan:
     lost = set(_lost_units(plan, failed)) | empty
     pipelines, reroutes = [], []
     for j, p in enumerate(plan.pipelines):
-        stages = tuple(Stage(devices=() if (j, s) in lost else st.devices, layers=st.layers) for s, st in enumerate(p.stages))
+        stages = tuple(replace(st, devices=()) if (j, s) in lost else st for s, st in enumerate(p.stages))
         pipelines.append(Pipeline(stages=stages, micro_batches=p.micro_batches))
     for j, s in sorted(lost):
         layers = plan.pipelines[j].stages[s].layers
@@ -213,7 +215,8 @@ def reroute_plan(plan: Plan, failed: set[int]) -> Plan:
 
 
 def takeover_plan(profile: Profile, plan: Plan, failed: set[int]) -> Plan:
-    """Merge each lost stage into a pipeline neighbour (the faster result that fits in memory).
+    """Merge each lost stage into a pipeline neighbour (the faster result that fits in memory, recomputing where it
+    must).
 
     Lost stages are merged last first, so a merge never shifts the index of a lost
     stage still to come; two lost stages of one pipeline may end up in one neighbour.
@@ -231,12 +234,12 @@ def takeover_plan(profile: Profile, plan: Plan, failed: set[int]) -> Plan:
                 continue
             neighbours += 1
             lo, hi = min(lost.layers[0], p.stages[nb].layers[0]), max(lost.layers[1], p.stages[nb].layers[1])
-            merged = Stage(devices=p.stages[nb].devices, layers=(lo, hi))
+            merged = replace(p.stages[nb], layers=(lo, hi))
             stages = tuple(merged if i == nb else st for i, st in enumerate(p.stages) if i != s)
-            cand = Pipeline(stages=stages, micro_batches=p.micro_batches)
-            trial = Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=(cand,))
-            if max(est.memory_per_device(profile, trial).values()) <= profile.memory_bytes:
-                options.append((est.estimate_step(profile, trial).compute, nb, cand))
+            trial = est.recomputed_to_fit(profile, Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size,
+                                                        pipelines=(Pipeline(stages=stages, micro_batches=p.micro_batches),)))
+            if est.fits(profile, trial):
+                options.append((est.estimate_step(profile, trial).compute, nb, trial.pipelines[0]))
         if not options:
             why = "no live neighbour can take its layers within memory" if neighbours else "no live neighbour"
             raise PlanError(f"pipeline {j} stage {s}: {why}")
@@ -248,9 +251,9 @@ def takeover_plan(profile: Profile, plan: Plan, failed: set[int]) -> Plan:
 
 def reform_plans(profile: Profile, plan: Plan, failed: set[int], tp_sizes: Collection[int]) -> list[Plan]:
     """The plans that re-form every pipeline which lost devices of its TP groups from its survivors
-    (:func:`reform_options`, within memory): each broken pipeline as its first option (its layers kept where its
-    stages can: the least moved), and each as the option that gives the whole plan the shortest estimated step.
-    The selector weighs both by Eq. 8.
+    (:func:`reform_options`, within memory, recomputing where they must): each broken pipeline as its first option
+    (its layers kept where its stages can: the least moved), and each as the option that gives the whole plan the
+    shortest estimated step. The selector weighs both by Eq. 8.
 
     Raises:
         PlanError: When no broken pipeline can be re-formed (or the plan is rerouted).
@@ -262,7 +265,7 @@ def reform_plans(profile: Profile, plan: Plan, failed: set[int], tp_sizes: Colle
     least, fastest = list(kept), list(kept)
     for p in (p for p in plan.pipelines if dead & set(p.devices)):
         options = [o for o in reform_options(plan.n_layers, p, dead, tp_sizes)
-                   if max(est.memory_per_device(profile, _whole(profile, plan, (*kept, o))).values()) <= profile.memory_bytes]
+                   if est.fits(profile, _whole(profile, plan, (*kept, o)))]
         if options:
             least.append(options[0])
             fastest.append(min(options, key=lambda o: est.estimate_step(profile, _whole(profile, plan, (*fastest, o))).t_step))
@@ -272,12 +275,13 @@ def reform_plans(profile: Profile, plan: Plan, failed: set[int], tp_sizes: Colle
 
 
 def _whole(profile: Profile, plan: Plan, pipelines) -> Plan:
-    """``pipelines`` (some of ``plan``'s, some re-formed) as a plan of its batch, the micro-batches split by speed."""
+    """``pipelines`` (some of ``plan``'s, some re-formed) as a plan of its batch, the micro-batches split by speed,
+    stages recomputing where their memory needs it."""
     shares = [p.micro_batches for p in pipelines]
     shares[0] += plan.n_micro_batches - sum(shares)
     out = replace(plan, pipelines=tuple(replace(p, micro_batches=m) for p, m in zip(pipelines, shares)))
     validate_plan(out)
-    return est.rebalanced(profile, out, est.EVEN)
+    return est.recomputed_to_fit(profile, est.rebalanced(profile, out, est.EVEN))
 
 
 def reform_options(n_layers: int, pipeline: Pipeline, dead: set[int], tp_sizes: Collection[int]) -> list[Pipeline]:
@@ -317,6 +321,9 @@ IDLE_UNITS = 256  # ... on clusters of at most this many: beyond, a unit is unde
 
 def _finish(name: str, profile: Profile, plan: Plan, parts: dict[str, float], *, global_batch: int, d_s: float, slots: str,
             fallback: Fallback, measured: Measured, speeds: est.Speeds = est.EVEN) -> Candidate:
+    """The candidate of moving to ``plan`` (recomputing where its memory needs it) after ``parts``, scored; infeasible
+    where it does not fit even so, or its transition outlasts ``D``."""
+    plan = est.recomputed_to_fit(profile, plan)
     t_step = measured.step_s(plan, est.estimate_step(profile, plan, reroute_slots=slots, speeds=speeds).t_step)
     peak = max(est.memory_per_device(profile, plan).values())
     transition = sum(parts.values())
@@ -567,7 +574,7 @@ def relayered(plan: Plan, speeds: est.Speeds) -> Plan:
             k = min(range(p.n_stages), key=lambda k: ((counts[k] + 1) * factors[k], k))
             counts[k] += 1
         bounds = [sum(counts[:k]) for k in range(p.n_stages + 1)]
-        stages = tuple(Stage(st.devices, (bounds[k], bounds[k + 1])) for k, st in enumerate(p.stages))
+        stages = tuple(replace(st, layers=(bounds[k], bounds[k + 1])) for k, st in enumerate(p.stages))
         changed |= stages != p.stages
         pipelines.append(replace(p, stages=stages))
     if not changed:

@@ -8,17 +8,28 @@ A stage keeps its parameters, their gradients and optimizer state, plus the
 activations of the micro-batches in flight under 1F1B: ``min(n_stages − s, m)``
 on stage ``s`` of a pipeline with ``m`` micro-batches, more on a reroute host,
 which also keeps those of every pipeline it serves. Under activation recomputation
-a layer keeps less, and its backward rebuilds the rest for one layer at a time. What one device of a stage
+a layer keeps less, and its backward rebuilds the rest for one layer at a time; each stage is counted under its
+own (:attr:`~chameleon.layout.plan.Stage.recompute`). What one device of a stage
 holds is the geometry's (:func:`chameleon.layout.geometry.per_device`): a shard of
 each transformer layer, the embedding and the head whole.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from chameleon.layout.geometry import UnitParams, per_device
 from chameleon.layout.plan import Plan
+
+
+class LayerActivations(NamedTuple):
+    """Bytes one layer (whole) keeps per micro-batch until its backward under ``recompute``, and those its backward
+    rebuilds at once (one micro-batch)."""
+
+    recompute: str
+    kept: float
+    rebuilt: float
 
 
 @dataclass(frozen=True)
@@ -30,13 +41,21 @@ class MemoryCosts:
     per micro-batch until its backward; ``state_bytes_per_param`` what a device keeps
     per parameter it holds (:attr:`~chameleon.layout.geometry.StateBytes.resident`,
     plus any redundant copy a simulated baseline keeps); ``layer_rebuilt`` the bytes a
-    layer's backward rebuilds at once under recomputation (one micro-batch, one layer).
+    layer's backward rebuilds at once under recomputation (one micro-batch, one layer);
+    ``layers_under`` a layer's activations under each recomputation a stage may have (:meth:`under`).
     """
 
     params: UnitParams
     acts: UnitParams
     state_bytes_per_param: float
     layer_rebuilt: float = 0.0
+    layers_under: tuple[LayerActivations, ...] = ()
+
+    def under(self, recompute: str) -> MemoryCosts:
+        """These costs with a layer's activations under ``recompute`` (as they are where ``layers_under`` lists none)."""
+        layer = next((a for a in self.layers_under if a.recompute == recompute), None)
+        return self if layer is None else replace(self, acts=self.acts._replace(layer=layer.kept),
+                                                  layer_rebuilt=layer.rebuilt)
 
 
 def stage_memory(costs: MemoryCosts, n_layers: int, *, first: bool, last: bool, in_flight: int, tp: int = 1) -> float:
@@ -48,17 +67,20 @@ def stage_memory(costs: MemoryCosts, n_layers: int, *, first: bool, last: bool, 
 
 
 def plan_memory(costs: MemoryCosts, plan: Plan) -> dict[int, float]:
-    """Bytes every device of ``plan`` needs (Eq. 14); a reroute host keeps activations for each pipeline it serves."""
+    """Bytes every device of ``plan`` needs (Eq. 14), each stage under its own recomputation; a reroute host keeps
+    activations for each pipeline it serves (under its own recomputation)."""
     served: dict[tuple[int, int], int] = {}
     for r in plan.reroutes:
         for h in set(r.hosts):
             served[(h, r.stage)] = served.get((h, r.stage), 0) + 1
+    under = {mode: costs.under(mode) for mode in {st.recompute for p in plan.pipelines for st in p.stages}}
     need = {}
     for j, p in enumerate(plan.pipelines):
         for s, st in enumerate(p.stages):
             in_flight = min(p.n_stages - s, p.micro_batches) * (1 + served.get((j, s), 0))
             mem = stage_memory(
-                costs, st.n_layers, first=s == 0, last=s == p.n_stages - 1, in_flight=in_flight, tp=max(st.tp, 1)
+                under[st.recompute], st.n_layers, first=s == 0, last=s == p.n_stages - 1, in_flight=in_flight,
+                tp=max(st.tp, 1),
             )
             for d in st.devices:
                 need[d] = mem

@@ -13,7 +13,9 @@ lands in is a function of the plan alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from functools import cached_property
 
 
@@ -21,9 +23,20 @@ class PlanError(ValueError):
     """A plan that cannot run; the message names the config key and the fix."""
 
 
+class Recompute(StrEnum):
+    """Activation recomputation of a stage (``train.recompute``, every stage's at the start), each keeping less than
+    the one before: keep every activation; keep a layer's matmul and attention outputs and recompute its
+    element-wise ops (norms, rotations, activations) in backward; or keep only each layer's input and recompute
+    the whole layer."""
+
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
 @dataclass(frozen=True)
 class Stage:
-    """One pipeline stage: the devices of its TP group and its layers ``[start, stop)``.
+    """One pipeline stage: the devices of its TP group, its layers ``[start, stop)`` and their recomputation.
 
     A stage with no devices lost them all; a :class:`Reroute` must then say who
     runs its micro-batches.
@@ -31,6 +44,7 @@ class Stage:
 
     devices: tuple[int, ...]
     layers: tuple[int, int]
+    recompute: Recompute = Recompute.none
 
     @property
     def tp(self) -> int:
@@ -102,10 +116,11 @@ class Plan:
         return frozenset(self.devices)
 
     def describe(self) -> str:
-        """One line per pipeline, e.g. ``pipe0 [0:2|2:4] tp1 ×4mb on 0,1``."""
+        """One line per pipeline, e.g. ``pipe0 [0:2|2:4 rc=full] tp1 ×4mb on 0,1`` (a stage that recomputes says
+        how: ``rc=selective`` or ``rc=full``)."""
         lines = []
         for j, p in enumerate(self.pipelines):
-            stages = "|".join(f"{s.layers[0]}:{s.layers[1]}" for s in p.stages)
+            stages = _stages_text(p)
             if not p.devices:
                 lines.append(f"pipe{j} [{stages}] no devices left; its {p.micro_batches}mb run rerouted")
                 continue
@@ -124,7 +139,7 @@ class Plan:
             return self.describe()
         shapes: dict[str, int] = {}
         for p in self.pipelines:
-            stages = "|".join(f"{s.layers[0]}:{s.layers[1]}" for s in p.stages)
+            stages = _stages_text(p)
             tps = "/".join(map(str, sorted({s.tp for s in p.stages if s.devices}))) or "-"
             key = f"[{stages}] tp{tps} ×{p.micro_batches}mb" + ("" if p.devices else " (rerouted)")
             shapes[key] = shapes.get(key, 0) + 1
@@ -136,6 +151,19 @@ class Plan:
             lines.append(f"changed: {len(gone)} devices out, {len(new)} in, {len(previous.pipelines)} → "
                          f"{len(self.pipelines)} pipelines")
         return "\n".join(lines)
+
+
+def _stages_text(pipeline: Pipeline) -> str:
+    """A pipeline's stages as ``0:2|2:4 rc=full``: each one's layers, and its recomputation where it has one."""
+    return "|".join(f"{s.layers[0]}:{s.layers[1]}" + ("" if s.recompute == Recompute.none else f" rc={s.recompute}")
+                    for s in pipeline.stages)
+
+
+def recomputing(plan: Plan, mode_of: Callable[[int, int], Recompute]) -> Plan:
+    """``plan`` with stage ``s`` of pipeline ``j`` under recomputation ``mode_of(j, s)``."""
+    pipelines = tuple(replace(p, stages=tuple(replace(st, recompute=mode_of(j, s)) for s, st in enumerate(p.stages)))
+                      for j, p in enumerate(plan.pipelines))
+    return replace(plan, pipelines=pipelines)
 
 
 def micro_batch_ranges(plan: Plan) -> list[range]:
@@ -162,8 +190,10 @@ def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def even_plan(*, dp: int, pp: int, tp: int, n_layers: int, global_batch: int, micro_batch: int) -> Plan:
-    """The failure-free plan from ``parallel.dp/pp/tp``: pipeline ``j`` owns a contiguous rank block."""
+def even_plan(*, dp: int, pp: int, tp: int, n_layers: int, global_batch: int, micro_batch: int,
+              recompute: Recompute = Recompute.none) -> Plan:
+    """The failure-free plan from ``parallel.dp/pp/tp``: pipeline ``j`` owns a contiguous rank block, every stage
+    under ``recompute``."""
     n_micro = _micro_batch_count(global_batch, micro_batch)
     if pp > n_layers:
         raise PlanError(f"parallel.pp={pp} exceeds model.n_layers={n_layers}: use at most one stage per layer")
@@ -176,7 +206,8 @@ def even_plan(*, dp: int, pp: int, tp: int, n_layers: int, global_batch: int, mi
     pipelines = []
     for j in range(dp):
         stages = tuple(
-            Stage(devices=tuple(range((j * pp + s) * tp, (j * pp + s + 1) * tp)), layers=layer_ranges[s])
+            Stage(devices=tuple(range((j * pp + s) * tp, (j * pp + s + 1) * tp)), layers=layer_ranges[s],
+                  recompute=recompute)
             for s in range(pp)
         )
         pipelines.append(Pipeline(stages=stages, micro_batches=n_micro // dp))
@@ -186,23 +217,26 @@ def even_plan(*, dp: int, pp: int, tp: int, n_layers: int, global_batch: int, mi
 
 
 def plan_from_spec(
-    spec: list[dict], *, tp: int, n_layers: int, global_batch: int, micro_batch: int
+    spec: list[dict], *, tp: int, n_layers: int, global_batch: int, micro_batch: int,
+    recompute: Recompute = Recompute.none,
 ) -> Plan:
     """An explicit (possibly uneven) plan from ``parallel.pipelines``.
 
     Each entry is ``{"layers": [[0, 3], [3, 6], [6, 8]], "micro_batches": 3}``; a
     stage given as an integer ``n`` means "the next n layers". Devices are handed
     out in order, ``tp`` per stage, or the entry's own ``"tp"`` (each pipeline its TP size).
+    Every stage is under ``recompute``, or the entry's own ``"recompute"``, one per stage.
     """
     pipelines, next_device = [], 0
     for j, entry in enumerate(spec):
         stages, start, width = [], 0, int(entry.get("tp") or tp)
-        for s, item in enumerate(entry["layers"]):
+        for item, mode in zip(entry["layers"], _stage_recompute(j, entry, recompute), strict=True):
             if isinstance(item, int):
                 lo, hi = start, start + item
             else:
                 lo, hi = int(item[0]), int(item[1])
-            stages.append(Stage(devices=tuple(range(next_device, next_device + width)), layers=(lo, hi)))
+            stages.append(Stage(devices=tuple(range(next_device, next_device + width)), layers=(lo, hi),
+                                recompute=mode))
             next_device += width
             start = hi
         pipelines.append(Pipeline(stages=tuple(stages), micro_batches=int(entry["micro_batches"])))
@@ -215,6 +249,15 @@ def plan_from_spec(
         )
     validate_plan(plan)
     return plan
+
+
+def _stage_recompute(j: int, entry: dict, default: Recompute) -> list[Recompute]:
+    """The recomputation of each stage of ``parallel.pipelines[j]``: its ``"recompute"`` list, else ``default``."""
+    modes = entry.get("recompute") or [default] * len(entry["layers"])
+    if len(modes) != len(entry["layers"]) or not set(modes) <= set(Recompute):
+        raise PlanError(f"parallel.pipelines[{j}].recompute={list(modes)}: give one of {', '.join(Recompute)} "
+                        f"for each of its {len(entry['layers'])} stages")
+    return [Recompute(mode) for mode in modes]
 
 
 def validate_plan(plan: Plan) -> None:

@@ -16,7 +16,6 @@ import math
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from enum import StrEnum
 from functools import partial
 from typing import Protocol
 
@@ -26,8 +25,8 @@ from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from chameleon.layout.geometry import ELEMENT_BYTES, UnitParams, state_bytes
-from chameleon.layout.memory import MemoryCosts
-from chameleon.layout.plan import Plan
+from chameleon.layout.memory import LayerActivations, MemoryCosts
+from chameleon.layout.plan import Plan, Recompute
 from chameleon.layout.spec import Layout, Rules, layout_of
 from chameleon.model.config import ModelConfig
 
@@ -110,16 +109,6 @@ def head_output(logits: Tensor, targets: Tensor | None) -> Tensor:
     return F.cross_entropy(
         logits.flatten(0, 1).to(compute_dtype(logits.dtype)), targets.flatten(), reduction="sum"
     )
-
-
-class Recompute(StrEnum):
-    """``train.recompute``: keep every activation; keep a layer's matmul and attention outputs and recompute
-its element-wise ops (norms, rotations, activations) in backward; or keep only each layer's input and
-recompute the whole layer."""
-
-    none = "none"
-    selective = "selective"
-    full = "full"
 
 
 SAVED_BY_SELECTIVE = frozenset(
@@ -280,16 +269,22 @@ class ModelSpec:
                      recompute: str = "none") -> MemoryCosts:
         """Memory of a stage's parts, counted from the shapes, with ``train.dtype`` activations.
 
-        A layer keeps :meth:`layer_activations` under ``recompute``; the head keeps its normed
-        input and logits in ``dtype`` and the fp32 log-probabilities.
+        A layer keeps :meth:`layer_activations` under ``recompute`` (and under each other recomputation, for a
+        stage that has it: :meth:`MemoryCosts.under`); the head keeps its normed input and logits in ``dtype`` and
+        the fp32 log-probabilities.
         """
         tokens, elem = micro_batch * seq_len, ELEMENT_BYTES[dtype]
-        kept, rebuilt = self.layer_activations(cfg, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute)
+        layers_under = tuple(
+            LayerActivations(mode, *(elem * n for n in self.layer_activations(cfg, micro_batch=micro_batch,
+                                                                                seq_len=seq_len, recompute=mode)))
+            for mode in Recompute
+        )
         acts = UnitParams(
-            layer=elem * kept, first=0,
+            layer=0, first=0,
             last=tokens * (elem * (cfg.dim + cfg.vocab_size) + ELEMENT_BYTES["fp32"] * cfg.vocab_size),
         )
-        return MemoryCosts(self.unit_params(cfg), acts, state_bytes(dtype).resident, layer_rebuilt=elem * rebuilt)
+        return MemoryCosts(self.unit_params(cfg), acts, state_bytes(dtype).resident,
+                           layers_under=layers_under).under(recompute)
 
     def layout(self, cfg: ModelConfig, plan: Plan) -> Layout:
         """Every parameter of the model under ``plan``, sharded by :attr:`tp_rules`."""

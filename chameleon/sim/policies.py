@@ -181,7 +181,8 @@ class Planning:
                     if n_micro % dp or (split.max_micro is not None and n_micro // dp > split.max_micro):
                         continue
                     pipes = tuple(
-                        Pipeline(stages=tuple(Stage(devices=(), layers=b) for b in split.bounds()), micro_batches=n_micro // dp)
+                        Pipeline(stages=tuple(Stage(devices=(), layers=b, recompute=self.profile.recompute)
+                                              for b in split.bounds()), micro_batches=n_micro // dp)
                         for _ in range(dp)
                     )
                     shapes.append(refill(Plan(n_layers=self.profile.n_layers, micro_batch_size=micro_batch_size, pipelines=pipes), units))
@@ -353,7 +354,7 @@ def refill_rerouted(plan: Plan, spares: Units) -> tuple[Plan | None, Units]:
             if unit is not None:
                 left.remove(unit)
                 filled.add((j, s))
-                st = Stage(devices=unit, layers=st.layers)
+                st = replace(st, devices=unit)
             stages.append(st)
         pipelines.append(Pipeline(stages=tuple(stages), micro_batches=p.micro_batches))
     if not filled:

@@ -24,7 +24,7 @@ from functools import cached_property
 
 from chameleon.config import Config
 from chameleon.faults.spec import FaultSpec
-from chameleon.layout.plan import Pipeline, Plan, Reroute, Stage
+from chameleon.layout.plan import Pipeline, Plan, Recompute, Reroute, Stage
 from chameleon.layout.relayout import Manifest, Move
 from chameleon.runtime.protocol import codec
 from chameleon.runtime.protocol.position import Position
@@ -438,14 +438,16 @@ PUSHED = (Moves, Publish, Begin, Commit, Flag, End)
 """What an agent forwards to its workers."""
 
 def _pack_plan(plan: Plan) -> list:
-    pipelines = [[p.micro_batches, [[*st.layers, list(st.devices)] for st in p.stages]] for p in plan.pipelines]
+    pipelines = [[p.micro_batches, [[*st.layers, list(st.devices), str(st.recompute)] for st in p.stages]]
+                 for p in plan.pipelines]
     return [plan.n_layers, plan.micro_batch_size, pipelines, [[r.pipeline, r.stage, list(r.hosts)] for r in plan.reroutes]]
 
 
 def _unpack_plan(packed: list) -> Plan:
     n_layers, micro_batch_size, pipelines, reroutes = packed
     return Plan(n_layers, micro_batch_size,
-                tuple(Pipeline(tuple(Stage(tuple(devices), (lo, hi)) for lo, hi, devices in stages), micro)
+                tuple(Pipeline(tuple(Stage(tuple(devices), (lo, hi), Recompute(recompute))
+                                     for lo, hi, devices, recompute in stages), micro)
                       for micro, stages in pipelines),
                 tuple(Reroute(j, s, tuple(hosts)) for j, s, hosts in reroutes))
 

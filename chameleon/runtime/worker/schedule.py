@@ -160,7 +160,7 @@ class _Forwards:
         with self.busy:
             out = stage_forward(self.model, compiled=self.train.compile)(
                 self.state.params, self.model, x, layers=pipe.stages[s].layers, first=first, last=last,
-                targets=targets if last else None, tp=self.tp, recompute=self.train.recompute,
+                targets=targets if last else None, tp=self.tp, recompute=pipe.stages[s].recompute,
             )
         if not last:
             self.links.send(out.detach().contiguous(), executors(plan, p, s + 1, i)[t], tag=message_tag(p, s, False),

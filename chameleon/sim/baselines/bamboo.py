@@ -55,7 +55,7 @@ def failover(plan: Plan, j: int, s: int) -> Plan:
     into = s - 1 if s > 0 else 1
     lo = min(p.stages[s].layers[0], p.stages[into].layers[0])
     hi = max(p.stages[s].layers[1], p.stages[into].layers[1])
-    stages = tuple(Stage(devices=st.devices, layers=(lo, hi)) if i == into else st for i, st in enumerate(p.stages) if i != s)
+    stages = tuple(replace(st, layers=(lo, hi)) if i == into else st for i, st in enumerate(p.stages) if i != s)
     pipes = tuple(Pipeline(stages=stages, micro_batches=q.micro_batches) if i == j else q for i, q in enumerate(plan.pipelines))
     return Plan(n_layers=plan.n_layers, micro_batch_size=plan.micro_batch_size, pipelines=pipes)
 
@@ -97,7 +97,8 @@ class BambooPolicy(Policy):
         base, extra = divmod(plan.n_micro_batches, dp)
         it = iter(units)
         pipes = tuple(
-            Pipeline(stages=tuple(Stage(devices=next(it), layers=b) for b in bounds), micro_batches=base + (j < extra))
+            Pipeline(stages=tuple(Stage(devices=next(it), layers=b, recompute=self.planning.profile.recompute)
+                                  for b in bounds), micro_batches=base + (j < extra))
             for j in range(dp)
         )
         self.overloaded = set()

@@ -124,15 +124,17 @@ def iteration_time(profile: Profile, nbs: dict[Template, tuple[int, ...]], n_pip
 
 
 def build(n_layers: int, micro_batch_size: int, groups: list[tuple], templates: dict[int, Template],
-          nbs: dict[Template, tuple[int, ...]]) -> Plan:
-    """Pipelines of the templates of their sizes; stage ``i`` of a pipeline runs on its ``i``-th node (rank order).
+          nbs: dict[Template, tuple[int, ...]], *, recompute: str) -> Plan:
+    """Pipelines of the templates of their sizes; stage ``i`` of a pipeline runs on its ``i``-th node (rank order),
+    every stage under ``recompute`` (the job's).
 
     A node is a device id, or a TP group (a tuple of ids) when stages are tensor-parallel.
     """
     pipes, taken = [], {t: iter(nb) for t, nb in nbs.items()}
     for nodes in groups:
         t = templates[len(nodes)]
-        stages = tuple(Stage(devices=n if isinstance(n, tuple) else (n,), layers=b) for n, b in zip(sorted(nodes), t.bounds()))
+        stages = tuple(Stage(devices=n if isinstance(n, tuple) else (n,), layers=b, recompute=recompute)
+                       for n, b in zip(sorted(nodes), t.bounds()))
         pipes.append(Pipeline(stages=stages, micro_batches=next(taken[t])))
     return Plan(n_layers=n_layers, micro_batch_size=micro_batch_size, pipelines=tuple(pipes))
 
@@ -184,7 +186,8 @@ class OobleckPolicy(Policy):
         nbs = distribute_batch(like.n_micro_batches, counts)
         if nbs is None:
             return None
-        return build(like.n_layers, like.micro_batch_size, groups, self.templates, nbs)
+        return build(like.n_layers, like.micro_batch_size, groups, self.templates, nbs,
+                     recompute=self.planning.profile.recompute)
 
     def start(self) -> Plan:
         plan = self.setup.plan
