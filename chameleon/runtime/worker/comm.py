@@ -314,10 +314,12 @@ class Generation:
     def exchange(self, sends: Mapping[int, torch.Tensor], receives: Mapping[int, torch.Tensor], *, tag: int = 0) -> None:
         """Send ``sends[d]`` to and receive ``receives[d]`` from each device ``d`` as one batch per peer
         (:meth:`post_batch`); wait for all of it."""
-        works = [(work, peer) for peer in sorted({*sends, *receives})
-                 for posted in self.post_batch(peer, sends=[(sends[peer], tag)] if peer in sends else (),
-                                               receives=[(receives[peer], tag)] if peer in receives else ())
-                 for work in posted]
+        works: list[tuple[dist.Work, int]] = []
+        for peer in sorted({*sends, *receives}):
+            posted_sends, posted_receives = self.post_batch(
+                peer, sends=[(sends[peer], tag)] if peer in sends else (),
+                receives=[(receives[peer], tag)] if peer in receives else ())
+            works += [(work, peer) for work in (*posted_sends, *posted_receives)]
         for work, peer in works:
             self.wait(work, peer=peer)
 
