@@ -273,8 +273,8 @@ def _all_runs(plan: Plan) -> dict[int, list[tuple[int, int]]]:
 
 class _Decoded:
     """One emulator process's decoding of what its nodes receive: a frame broadcast to every node is the same bytes,
-    decoded once here (each real node decodes its own copy, all at the same time). The last few frames are kept, as
-    each node's own frames (its part of a manifest) arrive between the copies of a broadcast."""
+    decoded once here (each real node decodes its own copy, all at the same time). The frames used last are kept, as
+    each node's own frames (its part of a manifest, its lease renewal) arrive between the copies of a broadcast."""
 
     KEEP = 4
 
@@ -282,11 +282,13 @@ class _Decoded:
         self.recent: dict[bytes, object] = {}
 
     def __call__(self, payload: bytes) -> object:
-        if payload not in self.recent:
+        message = self.recent.pop(payload, None)
+        if message is None:
+            message = codec.decode(payload)
             if len(self.recent) >= self.KEEP:
-                del self.recent[next(iter(self.recent))]
-            self.recent[payload] = codec.decode(payload)
-        return self.recent[payload]
+                del self.recent[next(iter(self.recent))]  # the one used longest ago
+        self.recent[payload] = message
+        return message
 
 
 # ----- emulator processes -------------------------------------------------------------------------

@@ -252,7 +252,7 @@ def section_llama_stage() -> None:
     compute_s = sorted(c for c, _ in timed)[len(timed) // 2]
     flops_per_token = 6 * n_params + 12 * layers * cfg.dim * seq
     estimate = stage_memory(spec.memory_costs(cfg, micro_batch=1, seq_len=seq, dtype="bf16"), layers, first=True,
-                            last=True, in_flight=1)
+                            last=True, in_flight=1, synced=False)
     result.update(
         tokens_per_s=seq / compute_s, forward_backward_s=compute_s,
         mfu=flops_per_token * seq / compute_s / PEAK_BF16_FLOPS,

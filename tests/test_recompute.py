@@ -79,7 +79,7 @@ def test_recomputation_makes_a_stage_fit_and_costs_compute():
     need = {}
     for mode in Recompute:
         profile = analytic_profile(cfg, cluster, micro_batch=1, seq_len=4096, tp=1, recompute=mode)
-        need[mode] = stage_memory(profile.memory_costs, 16, first=True, last=False, in_flight=8)
+        need[mode] = stage_memory(profile.memory_costs, 16, first=True, last=False, in_flight=8, synced=True)
         assert profile.layer_bwd_s >= 2 * profile.layer_fwd_s
         if mode == "full":
             assert profile.layer_bwd_s == pytest.approx(3 * profile.layer_fwd_s)

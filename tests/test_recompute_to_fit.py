@@ -33,12 +33,14 @@ def heavy_profile(n_layers: int, *, tp: int = 1) -> Profile:
 
 
 def stage_bytes(profile: Profile, n_layers: int, *, first: bool, last: bool, in_flight: int, mode: str) -> float:
-    """Eq. 14 for one device of a TP-1 stage, from the profile's figures: its state, ``in_flight`` micro-batches of
-    activations under ``mode``, and what one layer's backward rebuilds."""
+    """Eq. 14 for one device of a TP-1 stage of a pipeline with no peers, from the profile's figures: its state,
+    ``in_flight`` micro-batches of activations under ``mode``, what one layer's backward rebuilds and, on the last
+    stage, the loss's working set (these activations outweigh the update's transient)."""
     layer = next(t for t in profile.recompute_terms if t.recompute == mode)
     params = n_layers * profile.layer_params + first * profile.first_params + last * profile.last_params
     acts = n_layers * layer.act_bytes + first * profile.first_act_bytes + last * profile.last_act_bytes
-    return params * profile.state.resident + in_flight * acts + layer.rebuilt_bytes
+    work = layer.rebuilt_bytes + last * profile.head_work_bytes
+    return params * profile.state.resident + in_flight * acts + work
 
 
 def modes(plan) -> list[list[str]]:
@@ -121,15 +123,16 @@ def test_when_nothing_fits_as_the_job_runs_the_planner_plans_with_recomputation(
 
 def test_a_re_formed_group_that_fits_only_recomputing_is_weighed():
     """dp2 × tp4 on one stage; device 5 dies and its three survivors re-form their pipeline at TP 2, each holding
-    twice the state and activations: within what the other pipeline needs, it fits only recomputing fully."""
+    twice the state and activations: in a memory the other pipeline fits as it is, it fits only recomputing fully."""
     profile = heavy_profile(4, tp=4)
     plan = even_plan(dp=2, pp=1, tp=4, n_layers=4, global_batch=8, micro_batch=4)
-    kept = max(est.memory_per_device(profile, replace(plan, pipelines=plan.pipelines[:1])).values())
-    tp2 = plan_from_spec([{"layers": [4], "micro_batches": 1}], tp=2, n_layers=4, global_batch=4, micro_batch=4)
+    kept = max(est.memory_per_device(profile, plan).values())
+    tp2 = plan_from_spec([{"layers": [4], "micro_batches": 1}] * 2, tp=2, n_layers=4, global_batch=8, micro_batch=4)
     survivors = {mode: est.memory_per_device(profile, recomputing(tp2, lambda j, s, mode=mode: mode))[0]
                  for mode in Recompute}
-    assert survivors["full"] <= kept < survivors["selective"]
-    (reformed,) = reform_plans(replace(profile, memory_bytes=kept), plan, {5}, tp_sizes=(2, 4))
+    memory = max(kept, survivors["full"])
+    assert memory < survivors["selective"]
+    (reformed,) = reform_plans(replace(profile, memory_bytes=memory), plan, {5}, tp_sizes=(2, 4))
     assert [st.tp for st in reformed.pipelines[1].stages] == [2] and modes(reformed) == [["none"], ["full"]]
     with pytest.raises(PlanError, match="within memory"):
         reform_plans(replace(profile, memory_bytes=survivors["full"] * 0.99), plan, {5}, tp_sizes=(2, 4))

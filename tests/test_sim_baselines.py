@@ -89,9 +89,10 @@ def test_oobleck_copy_is_the_first_holders_broadcast():
 
 
 def test_oobleck_policy_reinstantiates_locally():
-    # 8 cards, 4 layers; 3700 bytes per card fit 2 layers' state (2 × 100 params × 18 bytes) but not 4: n0 = 2. f = 1.
+    # 8 cards, 4 layers; 5000 bytes per card fit 2 layers' state and their synced gradients' copy (2 × 100 params ×
+    # (18 + 4) bytes) but not 4: n0 = 2. f = 1.
     plan = dp_plan(8, 16)
-    policy = make_policy("oobleck", toy_setup(plan, toy_profile(memory_bytes=3700.0), oobleck__fault_threshold=1))
+    policy = make_policy("oobleck", toy_setup(plan, toy_profile(memory_bytes=5000.0), oobleck__fault_threshold=1))
     start = policy.start()
     assert policy.n0 == 2 and sum(p.micro_batches for p in start.pipelines) == 16 and len(start.devices) == 8
     groups = list(policy.groups)

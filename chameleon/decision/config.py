@@ -21,6 +21,11 @@ class ClusterConfig:
     peak_tflops: float = 0.0  # dense bf16/fp16 TFLOP/s per device (analytic)
     mfu: float = 0.45  # achievable fraction of peak (analytic)
     memory_gb: float | None = None  # per device; None: this host's RAM / n_devices (local)
+    # What a device holds besides the plan's tensors (layout/memory.py's DeviceOverheads): the runtime's context and
+    # its libraries' workspaces, each communicator's buffers, and the allocator's reserve as a fraction of the peak.
+    context_gb: float = 0.0
+    communicator_gb: float = 0.0
+    allocator_reserve: float = 0.0
     hbm_gbps: float = 0.0  # device memory bandwidth, bounds the optimizer step (analytic)
     intra_gbps: float = 0.0  # per-direction link bandwidth inside a node (analytic)
     inter_gbps: float = 0.0  # per-device network bandwidth between nodes (analytic)

@@ -78,8 +78,10 @@ def device_params(profile: Profile, n_layers: int, *, first: bool, last: bool, t
 
 
 def stage_memory(profile: Profile, n_layers: int, *, first: bool, last: bool, in_flight: int) -> float:
-    """Eq. 14 for one device of a stage at the profile's TP degree (:func:`chameleon.layout.memory.stage_memory`)."""
-    return memory.stage_memory(profile.memory_costs, n_layers, first=first, last=last, in_flight=in_flight, tp=profile.tp)
+    """Eq. 14 for one device of a stage at the profile's TP degree (:func:`chameleon.layout.memory.stage_memory`),
+    its gradients synced with peers' (as in any plan of more than one pipeline)."""
+    return memory.stage_memory(profile.memory_costs, n_layers, first=first, last=last, in_flight=in_flight, synced=True,
+                               tp=profile.tp)
 
 
 @lru_cache(maxsize=4096)

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_leaves
 
 from chameleon.decision.config import ClusterConfig
 from chameleon.layout.geometry import ELEMENT_BYTES, StateBytes, UnitParams, state_bytes
-from chameleon.layout.memory import LayerActivations, MemoryCosts
+from chameleon.layout.memory import DeviceOverheads, LayerActivations, MemoryCosts
 from chameleon.layout.plan import Recompute
 from chameleon.layout.spec import placements_for, shard_region
 from chameleon.model.config import ModelConfig
@@ -125,12 +125,15 @@ class Profile:
     layer_rebuilt_bytes: int = 0  # what a layer's backward rebuilds at once under recompute (one micro-batch)
     tp_terms: tuple[TPTerms, ...] = ()  # what a layer adds at each TP size (measured profiles)
     recompute_terms: tuple[RecomputeTerms, ...] = ()  # a layer under each recomputation (none: only its own priced)
+    head_work_bytes: int = 0  # what the loss makes for a while on the last stage (ModelSpec.head_work)
+    overheads: DeviceOverheads = DeviceOverheads()  # what a device holds besides the plan's tensors (the cluster's)
 
     @classmethod
     def from_dict(cls, data: dict) -> Profile:
         """The profile :meth:`to_dict` wrote (JSON lists made :class:`TPTerms` and :class:`RecomputeTerms` again)."""
         return cls(**{**data, "tp_terms": tuple(TPTerms(*terms) for terms in data.get("tp_terms", ())),
-                      "recompute_terms": tuple(RecomputeTerms(*terms) for terms in data.get("recompute_terms", ()))})
+                      "recompute_terms": tuple(RecomputeTerms(*terms) for terms in data.get("recompute_terms", ())),
+                      "overheads": DeviceOverheads(**data.get("overheads", {}))})
 
     @property
     def leaner(self) -> tuple[str, ...]:
@@ -188,13 +191,14 @@ class Profile:
         layers_under = tuple(LayerActivations(t.recompute, t.act_bytes * self.tp, t.rebuilt_bytes * self.tp)
                              for t in self.recompute_terms)
         return MemoryCosts(self.units, acts, self.state.resident + self.shadow_bytes_per_param,
-                           layer_rebuilt=self.layer_rebuilt_bytes * self.tp, layers_under=layers_under)
+                           layer_rebuilt=self.layer_rebuilt_bytes * self.tp, layers_under=layers_under,
+                           head_work=self.head_work_bytes, overheads=self.overheads)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-PROFILE_FORMAT = 7  # bumped whenever what a profile measures changes, so older cached profiles are measured anew
+PROFILE_FORMAT = 8  # bumped whenever what a profile measures changes, so older cached profiles are measured anew
 
 
 def profile_key(model: ModelConfig, *, micro_batch: int, seq_len: int, tp: int, device: str, recompute: str = "none") -> str:
@@ -345,8 +349,10 @@ def analytic_profile(model: ModelConfig, cluster: ClusterConfig, *, micro_batch:
         recompute_terms=tuple(terms.values()),
         first_act_bytes=0,
         last_act_bytes=tokens * model.vocab_size * ELEMENT_BYTES["fp32"],  # the head is replicated
+        head_work_bytes=spec.head_work(model, micro_batch=micro_batch, seq_len=seq_len),
         boundary_bytes=tokens * model.dim * elem,
         memory_bytes=cluster.memory_gb * 1e9,
+        overheads=device_overheads(cluster),
         p2p_bw=cluster.intra_gbps * 1e9,
         p2p_latency_s=cluster.latency_us * 1e-6,
         dp_bw=dp_gbps * 1e9,
@@ -489,6 +495,7 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
         recompute_terms=terms,
         first_act_bytes=first_act,
         last_act_bytes=last_act,
+        head_work_bytes=spec.head_work(model, micro_batch=micro_batch, seq_len=seq_len),
         boundary_bytes=boundary,
         p2p_bw=comm["p2p_bw"],
         p2p_latency_s=comm["p2p_latency_s"],
@@ -505,10 +512,16 @@ def _measure(model: ModelConfig, cluster: ClusterConfig, *, micro_batch: int, se
 
 def _configured(cluster: ClusterConfig) -> dict:
     """A local profile's figures the cluster config gives, not measured: memory per device (this host's RAM ÷
-    ``n_devices`` when not given), checkpoint bandwidth, restart time and the cluster's shape."""
+    ``n_devices`` when not given) and its overheads, checkpoint bandwidth, restart time and the cluster's shape."""
     memory = cluster.memory_gb * 1e9 if cluster.memory_gb is not None else _host_memory() / cluster.n_devices
-    return dict(memory_bytes=memory, checkpoint_bw=cluster.checkpoint_gbps * 1e9, restart_s=cluster.restart_s,
-                n_devices=cluster.n_devices, devices_per_node=cluster.devices_per_node)
+    return dict(memory_bytes=memory, overheads=device_overheads(cluster), checkpoint_bw=cluster.checkpoint_gbps * 1e9,
+                restart_s=cluster.restart_s, n_devices=cluster.n_devices, devices_per_node=cluster.devices_per_node)
+
+
+def device_overheads(cluster: ClusterConfig) -> DeviceOverheads:
+    """What ``cluster.context_gb``, ``communicator_gb`` and ``allocator_reserve`` say a device holds besides a plan's
+    tensors."""
+    return DeviceOverheads(cluster.context_gb * 1e9, cluster.communicator_gb * 1e9, cluster.allocator_reserve)
 
 
 def measure_tensor_parallel(model: ModelConfig, *, micro_batch: int, seq_len: int, recompute: str,

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from chameleon.layout.geometry import ELEMENT_BYTES, UnitParams, state_bytes
-from chameleon.layout.memory import LayerActivations, MemoryCosts
+from chameleon.layout.memory import DeviceOverheads, LayerActivations, MemoryCosts
 from chameleon.layout.plan import Plan, Recompute
 from chameleon.layout.spec import Layout, Rules, layout_of
 from chameleon.model.config import ModelConfig
@@ -265,13 +265,18 @@ class ModelSpec:
         kept = self.activation_elems(cfg, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute)
         return kept, self.activation_elems(cfg, micro_batch=micro_batch, seq_len=seq_len) - kept
 
+    def head_work(self, cfg: ModelConfig, *, micro_batch: int, seq_len: int) -> int:
+        """Bytes the loss makes for a while on the last stage: its fp32 working copy of the logits and their
+        gradient (:attr:`MemoryCosts.head_work`)."""
+        return 2 * micro_batch * seq_len * cfg.vocab_size * ELEMENT_BYTES["fp32"]
+
     def memory_costs(self, cfg: ModelConfig, *, micro_batch: int, seq_len: int, dtype: str = "fp32",
-                     recompute: str = "none") -> MemoryCosts:
+                     recompute: str = "none", overheads: DeviceOverheads = DeviceOverheads()) -> MemoryCosts:
         """Memory of a stage's parts, counted from the shapes, with ``train.dtype`` activations.
 
         A layer keeps :meth:`layer_activations` under ``recompute`` (and under each other recomputation, for a
         stage that has it: :meth:`MemoryCosts.under`); the head keeps its normed input and logits in ``dtype`` and
-        the fp32 log-probabilities.
+        the fp32 log-probabilities, and its loss works in :meth:`head_work`; ``overheads`` are the device's.
         """
         tokens, elem = micro_batch * seq_len, ELEMENT_BYTES[dtype]
         layers_under = tuple(
@@ -283,8 +288,9 @@ class ModelSpec:
             layer=0, first=0,
             last=tokens * (elem * (cfg.dim + cfg.vocab_size) + ELEMENT_BYTES["fp32"] * cfg.vocab_size),
         )
-        return MemoryCosts(self.unit_params(cfg), acts, state_bytes(dtype).resident,
-                           layers_under=layers_under).under(recompute)
+        return MemoryCosts(self.unit_params(cfg), acts, state_bytes(dtype).resident, layers_under=layers_under,
+                           head_work=self.head_work(cfg, micro_batch=micro_batch, seq_len=seq_len),
+                           overheads=overheads).under(recompute)
 
     def layout(self, cfg: ModelConfig, plan: Plan) -> Layout:
         """Every parameter of the model under ``plan``, sharded by :attr:`tp_rules`."""

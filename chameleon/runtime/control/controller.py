@@ -28,7 +28,7 @@ import torch
 
 from chameleon.config import Config, world_size
 from chameleon.decision.coordinator import SavedState
-from chameleon.decision.profiler import load_profile
+from chameleon.decision.profiler import device_overheads, load_profile
 from chameleon.faults.spec import FaultSpec, planned_faults
 from chameleon.layout.memory import plan_memory
 from chameleon.layout.plan import Plan
@@ -200,7 +200,8 @@ class Controller:
         """The memory model's bytes for every device of ``plan`` (Eq. 14), recorded beside each worker's peak."""
         model, train = self.config.model, self.config.train
         costs = spec_of(model).memory_costs(model, micro_batch=plan.micro_batch_size, seq_len=train.seq_len,
-                                            dtype=train.dtype, recompute=train.recompute)
+                                            dtype=train.dtype, recompute=train.recompute,
+                                            overheads=device_overheads(self.config.cluster))
         return plan_memory(costs, plan)
 
     def _open_local_node(self) -> None:
@@ -281,6 +282,8 @@ class Controller:
                     self.selector.register(link, selectors.EVENT_READ)
         elif item in self.arriving:
             self._on_arriving(item)
+            if item not in self.node_of:
+                return  # closed by an event read earlier in this same select (its node lost meanwhile)
         elif isinstance(item, Link):
             if events & selectors.EVENT_WRITE:
                 self._flush(item)

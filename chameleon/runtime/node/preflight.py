@@ -20,6 +20,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from chameleon.config import Backend, ConfigError, Device, check, check_data, model_config, validate
+from chameleon.decision.profiler import device_overheads
 from chameleon.layout.memory import plan_memory
 from chameleon.layout.plan import Plan
 from chameleon.model.spec import spec_of
@@ -68,7 +69,8 @@ def _check_memory(cfg: DictConfig, plan: Plan) -> None:
     """Refuse plans whose per-device state cannot fit; say how to shrink."""
     model = model_config(cfg)
     costs = spec_of(model).memory_costs(model, micro_batch=plan.micro_batch_size, seq_len=cfg.train.seq_len,
-                                        dtype=cfg.train.dtype, recompute=cfg.train.recompute)
+                                        dtype=cfg.train.dtype, recompute=cfg.train.recompute,
+                                        overheads=device_overheads(cfg.cluster))
     need = plan_memory(costs, plan)
     try:
         per_device, total = device_memory_bytes(cfg.launcher)
