@@ -211,3 +211,21 @@ def test_a_closed_listener_refuses_at_once():
     first.close()
     with pytest.raises(ConnectionRefusedError):
         connect("127.0.0.1", listener.port, key)
+
+
+def test_a_link_closed_earlier_in_the_same_select_is_passed_over():
+    """The controller handles a select's ready links one by one: one node's message can lose, and close, another node
+    whose link is still listed as ready (seen at 8,192 emulated devices as a KeyError that ended the job)."""
+    import selectors
+
+    from chameleon.runtime.control.controller import Controller
+    from chameleon.runtime.node.wire import Link
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        link = Link(ours, b"key", mine=b"m", theirs=b"t", peer="node 7")
+        controller = Controller.__new__(Controller)  # only the books a ready link is looked up in
+        controller.listener, controller.arriving, controller.node_of = None, {}, {}
+        theirs.sendall(b"bytes that would be read")
+        controller._on_ready(link, selectors.EVENT_READ | selectors.EVENT_WRITE)
+        assert ours.recv(64) == b"bytes that would be read"  # nothing was read from the closed node's link
