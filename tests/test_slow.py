@@ -139,6 +139,41 @@ def test_a_device_is_timed_on_its_own_clock_and_a_slow_one_counts_its_stretch():
     assert len(took) == 3 and best == 3 * min(took) > 0
 
 
+class _StreamEvent:
+    """A stand-in for an accelerator's timing event (none here): ``record`` notes the host clock, as a stream
+    would reach the event; ``synchronize`` is counted, as it would stall the host."""
+
+    synchronized = 0
+
+    def __init__(self, device_type: str, *, enable_timing: bool):
+        assert device_type == "cuda" and enable_timing
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        _StreamEvent.synchronized += 1
+
+    def elapsed_time(self, end: _StreamEvent) -> float:
+        return (end.at - self.at) * 1e3  # milliseconds, as torch's events give them
+
+
+def test_an_accelerator_is_timed_by_events_read_after_the_step_and_waits_only_when_paced(monkeypatch):
+    from chameleon.runtime.worker.schedule import _Busy
+
+    monkeypatch.setattr(torch, "Event", _StreamEvent)
+    busy = _Busy(None, torch.device("cuda"))
+    for _ in range(3):
+        with busy:
+            time.sleep(0.01)
+    assert _StreamEvent.synchronized == 0, "timing a step's compute must not stall the host"
+    assert 0.03 <= busy.seconds < 0.3
+    paced = _Busy(lambda s: 4 * s, torch.device("cuda"))
+    with paced:
+        time.sleep(0.01)
+    assert _StreamEvent.synchronized == 1 and 0.04 <= paced.seconds < 0.4
+
+
 SLOW_RUN = (*SMALL_RUN, "train.steps=12", "train.micro_batch=1")  # 8 micro-batches: 2 per pipeline of dp4
 
 

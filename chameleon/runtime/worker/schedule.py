@@ -51,18 +51,40 @@ class StepResult:
 
 
 class _Busy:
-    """Times a device's own compute (``with busy:``) on its :func:`compute_clock`, paced by ``pace(seconds)``
-    (a slow fault stretches it, and the seconds it took in all are counted)."""
+    """Times a device's own compute (``with busy:``): a CPU's on its :func:`compute_clock`; an accelerator's by a pair
+    of timing events on its stream around each block, read once the step's host read has waited for them (timing
+    costs no synchronisation). ``pace(seconds)`` stretches a block (a slow fault; on an accelerator it waits for the
+    block's kernels to know their time), and the seconds it took in all are counted."""
 
     def __init__(self, pace: Callable[[float], float] | None, device: torch.device):
-        self.pace, self.clock, self.seconds = pace, compute_clock(device), 0.0
+        self.pace, self.clock, self.device = pace, compute_clock(device), device
+        self.timed, self.spans = 0.0, []
 
     def __enter__(self) -> None:
-        self.start = self.clock()
+        self.start = self._event() if self.device.type != "cpu" else self.clock()
 
     def __exit__(self, *exc) -> None:
-        took = self.clock() - self.start
-        self.seconds += self.pace(took) if self.pace is not None and exc[0] is None else took
+        paced = self.pace is not None and exc[0] is None
+        if self.device.type != "cpu":
+            end = self._event()
+            if not paced:
+                self.spans.append((self.start, end))
+                return
+            end.synchronize()
+            took = self.start.elapsed_time(end) / 1e3
+        else:
+            took = self.clock() - self.start
+        self.timed += self.pace(took) if paced else took
+
+    def _event(self) -> torch.Event:
+        event = torch.Event(self.device.type, enable_timing=True)
+        event.record()
+        return event
+
+    @property
+    def seconds(self) -> float:
+        """Every block's seconds; on an accelerator, call it once its events have completed (after a host read)."""
+        return self.timed + sum(start.elapsed_time(end) for start, end in self.spans) / 1e3
 
 
 @functools.cache
@@ -242,12 +264,12 @@ def run_step(
         sync.close()
     forward.links.finish()
     finite = torch.isfinite(loss_sum) & state.grads_finite()  # the device's own, before the sums land
-    result.busy_s = busy.seconds
     sync.finish(None if on_phase is None else functools.partial(on_phase, "sync", step=step))
     figures = [loss_sum, finite]
     if train.clip_norm > 0:
         figures.append(state.grad_sum_of_squares(norm_regions or {}))
     read = torch.cat([f.double().reshape(1) for f in figures]).tolist()  # the step's one host read
+    result.busy_s = busy.seconds  # after the read: an accelerator's timing events have completed
     result.loss_sum, result.finite = read[0], bool(read[1])
     result.norm_sq = read[2] if train.clip_norm > 0 else None
     return result
