@@ -18,12 +18,12 @@ from chameleon.config import CONF_DIR, build_plan, pipelines_allowed, register_c
 from chameleon.decision.coordinator import Transition
 from chameleon.decision.profiler import load_profile
 from chameleon.faults.spec import FaultSpec
-from chameleon.runtime.control.core import (
+from chameleon.runtime.control.core import Core
+from chameleon.runtime.control.events import (
     Admit,
     Broadcast,
     Close,
     Committed,
-    Core,
     Fired,
     Lost,
     Preempt,
@@ -35,6 +35,19 @@ from chameleon.runtime.control.core import (
     Send,
     Tick,
 )
+from chameleon.runtime.control.notices import (
+    CheckpointDamaged,
+    ConnectionRefused,
+    Disagreed,
+    GrowingBack,
+    NotFinite,
+    NotFiniteAgain,
+    Preempting,
+    RecoveryDecided,
+    ReplayedFinite,
+    SlowDevices,
+)
+from chameleon.runtime.control.recorder import text_of
 from chameleon.runtime.node.preflight import check_job
 from chameleon.runtime.protocol.errors import LaunchError, TrainingError
 from chameleon.runtime.protocol.messages import (
@@ -222,6 +235,10 @@ def test_a_lost_node_flags_the_generation_then_publishes_the_next_with_each_node
     assert [m.node for m in moves] == [0] and publish.spec.moves == (publish.spec.plan != core.first_plan)
     (fault,) = [e.event for e in of(out, Record) if e.event["event"] == "fault"]
     assert fault["failed_ranks"] == [2, 3] and "node 1 lost" in fault["cause"]
+    (told,) = of(out, RecoveryDecided)
+    assert (told.devices, told.step, told.cause, told.plan, told.was) == ((2, 3), 1, fault["cause"], publish.spec.plan,
+                                                                          core.first_plan)
+    assert told.reload_step is None, "the survivors hold the state: no checkpoint is reloaded"
     assert core.handle(Received(1, NodeSynced(1, 0, 1, (2, 3), 0, ((0, 1),), 0, None, 0))) == [], "a lost node is deaf"
 
 
@@ -334,7 +351,7 @@ def test_leases_are_kept_while_a_recovery_is_decided_off_the_loop():
         clock.advance(0.5)
         assert core.handle(Received(1, Lease(1, 0))) == [Send(1, Renew(0))]
         assert core.handle(Tick()) == [], "no lease lapsed, no probe, nothing published"
-    assert 1 in core.nodes and core.pending.failed == [1]
+    assert 1 in core.nodes and core.recovery.timeline.failed == [1]
     decider.run()
     out = core.handle(Tick())
     (publish,) = sent(out, Publish)
@@ -361,7 +378,7 @@ def test_a_loss_while_a_recovery_is_decided_supersedes_that_decision():
     assert publish.spec.generation == 1 and set(publish.spec.devices) == {0, 3}
     (fault,) = [e.event for e in of(out, Record) if e.event["event"] == "fault"]
     assert fault["failed_ranks"] == [1, 2] and "; then exit code -9" in fault["cause"]
-    assert set(fault["where"]) == {1, 2} and core.pending.failed == [1, 2]
+    assert set(fault["where"]) == {1, 2} and core.recovery.timeline.failed == [1, 2]
 
 
 def test_no_recovery_found_in_the_decision_thread_stops_the_run_once_it_is_in():
@@ -394,7 +411,7 @@ def test_a_run_is_not_over_while_a_recovery_is_decided_and_closing_cancels_the_d
     (queued, *_), = decider.jobs
     core.close()
     decider.run()
-    assert queued.cancelled() and not core.deciding.busy and not sent(core.handle(Tick()), Publish)
+    assert queued.cancelled() and not core.recovery.busy and not sent(core.handle(Tick()), Publish)
 
 
 def test_a_node_fault_is_noted_before_it_strikes_and_the_recovery_says_where():
@@ -440,8 +457,10 @@ def test_silence_with_nobody_stuck_stops_the_run_naming_who_waits_on_whom():
 def test_sigterm_saves_at_the_next_commit_then_stops():
     core = started(core_of("ckpt.interval=0"))
     core.handle(Preempt())
-    (commit,) = sent(step(core, 0), Commit)
+    out = step(core, 0)
+    (commit,) = sent(out, Commit)
     assert commit.order.save and commit.order.stop and core.stopping
+    assert of(out, Preempting) == [Preempting(0)]
     assert core.spec.writers == (0, 1), "pipeline 0 writes the checkpoint"
     assert of(core.handle(Received(0, NodeSaved(0, 7, 1, (0, 1)))), SaveCheckpoint) == [], "another generation's"
     (save,) = of(core.handle(Received(0, NodeSaved(0, 0, 1, (0, 1)))), SaveCheckpoint)
@@ -455,6 +474,7 @@ def test_a_second_agent_for_a_running_node_is_refused_and_a_different_config_is_
     core = started(core_of())
     out = core.handle(Registered(hello(core, 1)))
     assert of(out, Refuse) and "already running" in of(out, Refuse)[0].why
+    assert of(out, ConnectionRefused) == [ConnectionRefused(f"node 1 at 127.0.0.2: {of(out, Refuse)[0].why}")]
     core = core_of()
     core.handle(Registered(hello(core, 0)))
     other, _ = config("train.lr=0.1")
@@ -483,6 +503,8 @@ def test_returning_devices_grow_the_job_at_a_step_boundary():
     pushed = [type(e.message).__name__ for e in out if isinstance(e, Broadcast)]
     assert pushed.index("Publish") < pushed.index("Commit"), "the grown generation exists before the switch"
     assert set(core.spec.devices) == {0, 1, 2, 3} and core.spec.resume_step == 5
+    (told,) = of(out, GrowingBack)
+    assert told.devices == (2, 3) and told.plan is core.spec.plan and told.decision.choice
 
 
 @pytest.mark.parametrize(("device", "backend", "lengths"), [("cpu", None, (1, 2, 3, 4)), ("cuda", "gloo", (1, 2, 3, 4)),
@@ -507,6 +529,8 @@ def test_a_step_that_is_not_finite_is_replayed_and_a_finite_replay_names_the_dev
     out = step(core, 1, norm=(NAN, 3.0), corrupt=((1,), ()))
     (commit,) = sent(out, Commit)
     assert commit.step == 1 and commit.order.replay and commit.grad_norm is None
+    (told,) = of(out, NotFinite)
+    assert (told.step, told.loss, told.corrupt, told.samples) == (1, 1.0, (1,), (8, 16)) and told.grad_norm != told.grad_norm
     assert not of(out, Committed) and core.ledger.next_step == 1, "nothing of the step is committed"
     out = step(core, 1)
     (commit,) = sent(out, Commit)
@@ -514,6 +538,7 @@ def test_a_step_that_is_not_finite_is_replayed_and_a_finite_replay_names_the_dev
     assert [c.step for c in of(out, Committed)] == [1]
     (replayed,) = [e.event for e in of(out, Record) if e.event["event"] == "replayed"]
     assert replayed["suspects"] == [1] and not replayed["evicted"]
+    assert of(out, ReplayedFinite) == [ReplayedFinite(1, (1,), False)]
     assert not sent(out, Flag), "ft.on_corrupt=replay keeps the device"
     assert [c.step for c in of(step(core, 2), Committed)] == [2]
 
@@ -526,6 +551,7 @@ def test_a_loss_that_is_not_finite_is_replayed_too_and_evict_fences_the_named_de
     out = step(core, 0)
     pushed = [type(e.message).__name__ for e in out if isinstance(e, Broadcast)]
     assert pushed.index("Commit") < pushed.index("Flag"), "the replayed step commits before the device goes"
+    assert of(out, ReplayedFinite) == [ReplayedFinite(0, (0,), True)]
     assert Send(0, Signal(0, 0, 9, "fenced")) in out
     (publish,) = sent(out, Publish)
     assert 0 not in publish.spec.devices and publish.spec.resume_step == 1
@@ -553,6 +579,7 @@ def test_replicas_that_disagree_keep_the_step_open_and_every_holder_without_a_ma
     assert core.ledger.committed == 0, "the step whose state disagreed is not committed"
     (disagreement,) = [e.event for e in of(core.out, Record) if e.event["event"] == "disagreement"]
     assert disagreement["step"] == 1 and disagreement["outvoted"] == [1, 3]
+    assert of(core.out, Disagreed) == [Disagreed(1, (1, 3))]
     assert sent(core.out, Flag) == [Flag(0)]
 
 
@@ -565,5 +592,27 @@ def test_a_step_not_finite_again_on_the_same_devices_alone_evicts_them():
     out = step(core, 1, norm=(NAN, 3.0), corrupt=((0, 1), ()))
     (fault,) = [e.event for e in of(out, Record) if e.event["event"] == "fault"]
     assert fault["failed_ranks"] == [0, 1] and "not finite in step 1 and its replay" in fault["cause"]
+    (told,) = of(out, NotFiniteAgain)
+    assert (told.step, told.corrupt) == (1, (0, 1))
     (publish,) = sent(out, Publish)
     assert set(publish.spec.devices) == {2, 3} and publish.spec.resume_step == 1
+
+
+def test_the_recorder_alone_puts_the_cores_notices_into_the_users_words():
+    assert text_of(Disagreed(4, (1, 3))) == (
+        "chameleon: replicas disagree before step 4: devices [1, 3] are outvoted by their replicas' digests (with no "
+        "majority, every holder is): not committed; they are lost devices")
+    assert text_of(NotFinite(3, NAN, None, (1,), (24, 32))) == (
+        "chameleon: step 3 is not finite (loss nan, gradient norm None; devices [1] not finite before the sync): not "
+        "committed; replaying it (samples [24, 32))")
+    assert text_of(ReplayedFinite(3, (1,), False)) == (
+        "chameleon: step 3 replayed finite: the fault was transient; devices [1], whose own gradients were not "
+        "finite, stay (ft.on_corrupt=replay)")
+    assert text_of(ReplayedFinite(3, (), False)) == (
+        "chameleon: step 3 replayed finite: the fault was transient; no device's own gradients were not finite")
+    assert text_of(CheckpointDamaged(2, "a shard's digest differs", None)) == (
+        "chameleon: device 2 found the checkpoint it restores damaged: a shard's digest differs; no older checkpoint "
+        "of this run is left")
+    assert text_of(SlowDevices(7, {3: 2.5, 1: 1.75})) == (
+        "chameleon: after step 7, slow devices: 1 (×1.75 its peers' time), 3 (×2.50 its peers' time)")
+    assert text_of(SlowDevices(9, {})) == "chameleon: after step 9, slow devices: none (all back to speed)"

@@ -42,13 +42,12 @@ from chameleon.runtime.checkpoint import (
     step_dir,
     whole_checkpoint,
 )
-from chameleon.runtime.control.core import (
+from chameleon.runtime.control.core import Clock, Core
+from chameleon.runtime.control.events import (
     Admit,
     Broadcast,
-    Clock,
     Close,
     Committed,
-    Core,
     Fired,
     Lost,
     Preempt,
@@ -59,11 +58,11 @@ from chameleon.runtime.control.core import (
     Registered,
     SaveCheckpoint,
     SetAside,
-    Say,
     Send,
     Tick,
     Validated,
 )
+from chameleon.runtime.control.notices import Notice
 from chameleon.runtime.control.recorder import Recorder
 from chameleon.runtime.node.agent import Agent
 from chameleon.runtime.node.launch import host_identity
@@ -188,8 +187,8 @@ class Controller:
         core, t_end = self.core, time.time()
         parts = self.recorder.time_breakdown(t0=core.t0, t_train=core.t_train, t_end=t_end, spans=core.spans)
         return self.recorder.summary(
-            recoveries=[r.record() for r in core.recoveries], growths=[g.record() for g in core.growths],
-            reshapes=[r.record() for r in core.reshapes],
+            recoveries=[r.record() for r in core.recovery.done], growths=[g.record() for g in core.growth.done],
+            reshapes=[r.record() for r in core.reshape.done],
             plan=core.resident.describe(), generations=core.generation + 1, world_size=core.world,
             nnodes=self.config.launcher.nnodes, wall_s=t_end - core.t0, time_breakdown=parts,
             startup_s=(core.t_train - core.t0) if core.t_train else None, store_ops=core.store_ops,
@@ -282,9 +281,9 @@ class Controller:
                     self.selector.register(link, selectors.EVENT_READ)
         elif item in self.arriving:
             self._on_arriving(item)
+        elif isinstance(item, Link):
             if item not in self.node_of:
                 return  # closed by an event read earlier in this same select (its node lost meanwhile)
-        elif isinstance(item, Link):
             if events & selectors.EVENT_WRITE:
                 self._flush(item)
             if events & selectors.EVENT_READ:
@@ -375,7 +374,7 @@ class Controller:
                     del self.node_of[link]
                     self.selector.unregister(link)
                     link.close()
-            case Record() | Committed() | Validated() | Say():
+            case Record() | Committed() | Validated() | Notice():
                 self.recorder.write(effect)
             case SaveCheckpoint(complete=c):
                 commit_checkpoint(self.ckpt_root, c.step, expected_devices=c.writers, shapes=self.core.coordinator.shapes,

@@ -1,10 +1,10 @@
 """The run recorder: the one writer of a run's events, metrics, lines for the user and summary.
 
 The controller's protocol core (:mod:`chameleon.runtime.control.core`) says what happened
-as effects; the recorder turns them into ``events.jsonl`` (one line per fault,
+as effects, facts only; the recorder alone turns them into text: into ``events.jsonl`` (one line per fault,
 decision, recovery, growth, checkpoint, validation loss…), ``metrics.jsonl`` (one line per
 committed step, with ``val_loss`` on the steps it was taken before), ``errors.log`` (a worker's traceback), the progress bar and the lines on
-stderr, and at the end ``summary.json``.
+stderr (the core's notices in words: :func:`text_of`), and at the end ``summary.json``.
 """
 
 from __future__ import annotations
@@ -17,10 +17,30 @@ from tqdm import tqdm
 
 from chameleon.config import Config
 from chameleon.data.stream import sample_ids_digest
+from chameleon.layout.plan import Plan
 from chameleon.report.breakdown import Span, ettr, split_wall
 from chameleon.report.outputs import JsonLines, write_json
 from chameleon.report.progress import progress_bar
-from chameleon.runtime.control.core import Committed, Record, Say, Validated
+from chameleon.runtime.control.events import Committed, Record, Validated
+from chameleon.runtime.control.notices import (
+    CheckpointDamaged,
+    ConnectionRefused,
+    Disagreed,
+    Grew,
+    GrowingBack,
+    GrowthDeclined,
+    NotFinite,
+    NotFiniteAgain,
+    Notice,
+    Preempting,
+    Recovered,
+    RecoveryDecided,
+    ReplayedFinite,
+    Reshaping,
+    SlowDevices,
+    Tolerating,
+)
+from chameleon.runtime.control.timelines import Recovery
 from chameleon.runtime.protocol.errors import TrainingError
 
 
@@ -41,7 +61,7 @@ class Recorder:
         self.generation = 0
 
     def write(self, effect: object) -> None:
-        """Record one of the core's effects (:class:`Record`, :class:`Committed` or :class:`Say`)."""
+        """Record one of the core's effects (:class:`Record`, :class:`Committed`, :class:`Validated`, a :class:`Notice`)."""
         match effect:
             case Record(event=event):
                 if "traceback" in event:
@@ -59,8 +79,8 @@ class Recorder:
                 self._postfix()
                 if step == self.config.train.steps:
                     self.say(f"chameleon: validation loss after step {step}: {loss:.4f}")
-            case Say(text=text):
-                self.say(text)
+            case Notice():
+                self.say(text_of(effect))
             case _:
                 raise TypeError(f"the recorder does not write {effect!r}")
 
@@ -158,3 +178,84 @@ class Recorder:
         self.bar.close()
         self.metrics.close()
         self.events.close()
+
+
+def text_of(notice: Notice) -> str:
+    """The lines the user reads for ``notice``."""
+    match notice:
+        case ConnectionRefused(why=why):
+            return f"chameleon: refused a connection: {why}"
+        case Disagreed(step=step, outvoted=outvoted):
+            return (f"chameleon: replicas disagree before step {step}: devices {list(outvoted)} are outvoted by their "
+                    "replicas' digests (with no majority, every holder is): not committed; they are lost devices")
+        case NotFinite(step=step, samples=(lo, hi)):
+            return (f"chameleon: step {step} is not finite ({_not_finite(notice)}): not committed; replaying it "
+                    f"(samples [{lo}, {hi}))")
+        case NotFiniteAgain(step=step, corrupt=corrupt):
+            return (f"chameleon: step {step} is not finite again on its replay, on the same devices {list(corrupt)} "
+                    f"alone ({_not_finite(notice)}): their state is corrupt; they are evicted")
+        case ReplayedFinite(step=step, suspects=suspects, evicted=evicted):
+            who = (f"devices {list(suspects)}, whose own gradients were not finite, "
+                   + ("are evicted" if evicted else "stay (ft.on_corrupt=replay)") if suspects
+                   else "no device's own gradients were not finite")
+            return f"chameleon: step {step} replayed finite: the fault was transient; {who}"
+        case Preempting(step=step):
+            return f"chameleon: SIGTERM: saving a checkpoint after step {step}, then stopping"
+        case CheckpointDamaged(device=device, why=why, fallback=fallback):
+            older = (f"the checkpoint of step {fallback} is the newest whole one" if fallback is not None
+                     else "no older checkpoint of this run is left")
+            return f"chameleon: device {device} found the checkpoint it restores damaged: {why}; {older}"
+        case RecoveryDecided():
+            return _decided(notice)
+        case Recovered(recovery=rec):
+            return _recovered(rec)
+        case GrowthDeclined(devices=devices, decision=decision):
+            return f"chameleon: devices {list(devices)} are back; growing does not pay now\n{decision.table()}"
+        case GrowingBack(devices=devices, decision=decision, plan=plan, was=was):
+            return f"chameleon: devices {list(devices)} are back: growing\n{decision.table()}\n{_new_plan(plan, was)}"
+        case Grew(growth=g):
+            return (f"chameleon: grew onto devices {g.devices} in {g.t_first_commit - g.t_back:.3f} s after they came "
+                    f"back (decide {g.t_decided - g.t_back:.3f}, wait for a step boundary {g.t_switch - g.t_decided:.3f}, "
+                    f"restore {g.t_started - g.t_switch:.3f}, first step {g.t_first_commit - g.t_started:.3f})")
+        case SlowDevices(step=step, slow=slow):
+            return (f"chameleon: after step {step}, slow devices: "
+                    + (", ".join(f"{d} (×{f:.2f} its peers' time)" for d, f in sorted(slow.items()))
+                       or "none (all back to speed)"))
+        case Tolerating(decision=decision):
+            return f"chameleon: {decision.note}: tolerating them pays best\n{decision.table()}"
+        case Reshaping(decision=decision, plan=plan, was=was):
+            return f"chameleon: {decision.note}: {decision.choice}\n{decision.table()}\n{_new_plan(plan, was)}"
+        case _:
+            raise TypeError(f"no text for {notice!r}")
+
+
+def _not_finite(n: NotFinite | NotFiniteAgain) -> str:
+    norm = n.grad_norm if n.grad_norm is None else f"{n.grad_norm:.6g}"
+    return (f"loss {n.loss:.6g}, gradient norm {norm}; "
+            + (f"devices {list(n.corrupt)} not finite before the sync" if n.corrupt
+               else "every device finite before the sync"))
+
+
+def _new_plan(plan: Plan, was: Plan) -> str:
+    return f"new plan:\n{plan.summary(was)}"
+
+
+def _decided(n: RecoveryDecided) -> str:
+    victims = "; ".join(f"device {d}: {p['where']}" for d, p in n.where.items() if p)
+    reload = (f"reloading the checkpoint of step {n.reload_step} ({n.lost_s:.1f} s of progress lost)\n"
+              if n.reload_step is not None else "")
+    what = f"devices {list(n.devices)} lost" if n.devices else "deciding again"
+    return (f"\nchameleon: {what} at step {n.step} ({n.cause})" + (f"\n  where: {victims}" if victims else "")
+            + f"\n{n.decision.table()}\n{reload}{_new_plan(n.plan, n.was)}")
+
+
+def _recovered(rec: Recovery) -> str:
+    if rec.steady_step_s is not None:
+        pace = f"steady step {rec.steady_step_s:.3f} s vs {rec.estimated_step_s:.3f} s estimated"
+    else:
+        pace = ("the last validation redone" if rec.first_step_s is None
+                else f"no steady step followed; estimated {rec.estimated_step_s:.3f} s")
+    return (f"chameleon: recovered from the loss of {rec.failed} by {rec.decision.choice} in "
+            f"{rec.t_first_commit - rec.t_fault:.3f} s (detect {rec.t_detect - rec.t_fault:.3f}, decide "
+            f"{rec.t_decided - rec.t_detect:.3f}, restore {rec.t_started - rec.t_decided:.3f}, redo "
+            f"{rec.t_first_commit - rec.t_started:.3f}); {pace}")

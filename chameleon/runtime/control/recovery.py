@@ -1,0 +1,165 @@
+"""Recovering from a loss: the next generation decided in a thread of its own (a later loss supersedes a decision
+under way: one decision for both), the recovery's timeline from the fault to the first step committed after it,
+and its pace once steady."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, replace
+
+from chameleon.decision.coordinator import Coordinator, NoRecovery, SavedState, Transition
+from chameleon.layout.geometry import geometry_of
+from chameleon.layout.plan import Plan
+from chameleon.report.breakdown import Span
+from chameleon.runtime.control.background import Background
+from chameleon.runtime.control.events import Record
+from chameleon.runtime.control.notices import Recovered, RecoveryDecided
+from chameleon.runtime.control.timelines import Recovery
+from chameleon.runtime.protocol.errors import TrainingError
+
+PACE_STEPS = 3  # a recovery's estimate is compared with the median of this many steady steps after it
+
+
+@dataclass(frozen=True)
+class Loss:
+    """What a recovery decides on: the devices lost (none: the same members, decided anew), why, the step it
+    resumes at, and when the loss happened and was detected."""
+
+    devices: frozenset[int]
+    cause: str
+    step: int
+    t_fault: float
+    t_detect: float
+    source: str
+    where: dict
+
+    def then(self, later: Loss) -> Loss:
+        """This loss and ``later``, which came while this one was being decided: one decision for both."""
+        return replace(self, devices=self.devices | later.devices, cause=f"{self.cause}; then {later.cause}",
+                       where={**self.where, **later.where})
+
+
+def recover(coordinator: Coordinator, precomputed: Future | None, resident: Plan, /, *, alive: set[int],
+            **kwargs) -> Transition:
+    """:meth:`Coordinator.recover`, in the decision thread, from the precomputed shape for what survives, placed
+    (``precomputed``: the finished precompute for ``resident``, if any; one that fails is a missing one)."""
+    placed = None
+    if precomputed is not None:
+        units = geometry_of(resident).units(alive)  # the units the selector re-plans onto
+        with contextlib.suppress(Exception):  # a failed precompute is a missing one
+            placed = precomputed.result().plan_for(units, resident, coordinator.profile)
+    return coordinator.recover(resident, alive=alive, precomputed=placed, **kwargs)
+
+
+class Recoverer:
+    """The recovery under way (its timeline, from the loss to the first commit after it), the one being paced, and
+    those done (see the module doc).
+
+    Args:
+        decider: runs the decisions (a thread of their own).
+        emit: takes the records and notices it makes.
+    """
+
+    def __init__(self, decider: Executor, emit: Callable[[object], None]):
+        self.deciding = Background(decider)
+        self.emit = emit
+        self.timeline: Recovery | None = None
+        self.pacing: tuple[Recovery, list[float]] | None = None  # a recovery closed, its steady steps being timed
+        self.done: list[Recovery] = []
+
+    @property
+    def busy(self) -> bool:
+        """Whether a decision is under way."""
+        return self.deciding.busy
+
+    def lost(self, loss: Loss) -> Loss:
+        """A loss: the recovery under way takes it in, or one begins; returns what to decide on (a decision under
+        way did not know of this loss: it is superseded, and the next decides for both)."""
+        if self.pacing is not None:
+            self._pace()  # a new fault: the last one's pace is what it was
+        if self.timeline is None:
+            self.timeline = Recovery(sorted(loss.devices), loss.cause, loss.step, loss.t_fault, loss.t_detect,
+                                     loss.source, loss.where)
+        else:
+            self.timeline.failed = sorted(set(self.timeline.failed) | loss.devices)
+            self.timeline.cause += f"; then {loss.cause} during recovery"
+            self.timeline.where.update(loss.where)
+        return self.deciding.search.about.then(loss) if self.deciding.busy else loss
+
+    def decide(self, resident: Plan, loss: Loss, coordinator: Coordinator, precomputed: Future | None,
+               **kwargs) -> None:
+        """Decide on ``loss`` in the decision thread (:func:`recover`)."""
+        self.deciding.submit(resident, loss, recover, coordinator, precomputed, resident, **kwargs)
+
+    def decided(self, now: float, *, generation: int, was: Plan, saved: SavedState | None) -> Transition | None:
+        """The decision, once the thread has it (None before): recorded and told; ``generation``: the broken one.
+
+        Raises:
+            TrainingError: no recovery is possible.
+        """
+        search = self.deciding.finished()
+        if search is None:
+            return None
+        loss: Loss = search.about
+        try:
+            transition: Transition = search.future.result()
+        except NoRecovery as err:
+            raise TrainingError(str(err)) from None
+        rec = self.timeline
+        rec.t_decided, rec.decision = now, transition.decision
+        rec.estimated_step_s = transition.estimated_step_s
+        if transition.manifest is not None:
+            rec.manifest_bytes, rec.manifest_rounds = transition.manifest.wire_bytes, len(transition.manifest.rounds)
+        self.emit(Record({
+            "event": "fault", "generation": generation, "failed_ranks": sorted(loss.devices), "cause": loss.cause,
+            "step": loss.step, "where": loss.where, "t_fault": loss.t_fault, "t_fault_source": loss.source,
+            "detect_s": loss.t_detect - loss.t_fault, "decide_s": rec.t_decided - loss.t_detect,
+            "decision": rec.decision.to_dict(), "manifest_bytes": rec.manifest_bytes,
+            "manifest_rounds": rec.manifest_rounds,
+        }))
+        reload = (transition.resume_step, loss.t_detect - saved.committed_at) if transition.checkpoint else (None, 0.0)
+        self.emit(RecoveryDecided(tuple(sorted(loss.devices)), loss.step, loss.cause, loss.where, transition.decision,
+                                  transition.plan, was, *reload))
+        return transition
+
+    def published(self, now: float) -> None:
+        self.timeline.t_published = now
+
+    def started(self, now: float) -> None:
+        if self.timeline is not None:
+            self.timeline.t_started = now
+
+    def paced(self, step_s: float | None, *, finished: bool) -> None:
+        """A step committed (``step_s``: its time, if steady): the closed recovery is told once ``PACE_STEPS`` steady
+        steps followed it, or the last step."""
+        if self.pacing is None:
+            return
+        if step_s is not None:
+            self.pacing[1].append(step_s)
+        if len(self.pacing[1]) >= PACE_STEPS or finished:
+            self._pace()
+
+    def committed(self, now: float, step_s: float | None, *, generation: int, finished: bool) -> list[Span]:
+        """The first commit after the loss (``step_s``: its compute), or the last validation redone (None), closes
+        the recovery: its detection, decision and restore are returned; its pace is timed from here."""
+        rec = self.timeline
+        if rec is None:
+            return []
+        self.timeline, rec.t_first_commit, rec.first_step_s = None, now, step_s
+        self.done.append(rec)
+        self.emit(Record({"event": "recovered", "generation": generation, "time": now, **rec.record()}))
+        self.pacing = rec, []
+        if step_s is None or finished:
+            self._pace()
+        return [("detection", rec.t_fault, rec.t_detect), ("decision", rec.t_detect, rec.t_decided),
+                ("restore", rec.t_decided, rec.t_started)]
+
+    def _pace(self) -> None:
+        """The recovery told, its estimate compared with the median of the steady steps after warm-up, not with the
+        first (restore, warm-up)."""
+        (rec, times), self.pacing = self.pacing, None
+        if times:
+            rec.steady_step_s = sorted(times)[len(times) // 2]
+        self.emit(Recovered(rec))
