@@ -6,7 +6,8 @@ with the budget of ``policy.decide_budget_s``. Per size: the precompute the plan
 generation starts (one device's, and one to four whole nodes' losses); a node lost with that precompute and
 without it; four nodes lost at once, precomputed; and a second node lost on the uneven plan the first
 recovery chose, searched (a fault outside the precomputed set). Each decision includes its plan's placement,
-layouts and transfer manifest, as in a live run; the smallest job is decided once first, untimed. Run: ``python benchmarks/bench_decision.py [--devices N ...]``.
+layouts and transfer manifest, and what the core publishes with it (checkpoint writers, replica groups), as in a
+live run; the smallest job is decided once first, untimed. Run: ``python benchmarks/bench_decision.py [--devices N ...]``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ SIZES = (1024, 2048, 4096, 8192)
 DOMAIN_NODES = 4  # ft.fault_domain_nodes in the benchmark's job
 
 
+def publish(coord: Coordinator, plan) -> None:
+    """What the core's ``_publish`` asks the coordinator for a new generation: its checkpoint writers and replica
+    groups."""
+    coord.writers(plan)
+    coord.replica_groups(plan)
+
+
 def run_size(devices: int) -> dict:
     config, plan = config_for(devices, steps=40, port=29500)
     profile = load_profile(config.model, config.cluster, micro_batch=1, seq_len=config.train.seq_len, tp=1,
@@ -37,10 +45,10 @@ def run_size(devices: int) -> dict:
 
     def coordinator() -> Coordinator:
         """A fresh planner (nothing searched by an earlier case) that knows the resident plan's layout, as the
-        core's does once it published that plan (its checkpoint writers)."""
+        core's does once it published that plan."""
         fresh = Coordinator(model=config.model, profile=profile, planner=Planner(profile), policy=config.policy,
                             domains=domains)
-        fresh.writers(plan)
+        publish(fresh, plan)
         return fresh
 
     def lose(resident, alive, lost_nodes, *, coord, ahead=None):
@@ -49,6 +57,7 @@ def run_size(devices: int) -> dict:
         placed = ahead.plan_for(geometry_of(resident).units(alive), resident, profile) if ahead else None
         transition = coord.recover(resident, alive=alive, next_step=10, saved=None, now=0.0, fault_times=[],
                                    elapsed_s=600.0, precomputed=placed)
+        publish(coord, transition.plan)
         return time.perf_counter() - start, transition, alive
 
     everyone = set(range(devices))
@@ -60,7 +69,6 @@ def run_size(devices: int) -> dict:
     four_pre, _, _ = lose(plan, everyone, range(nodes - DOMAIN_NODES, nodes), coord=coord, ahead=ahead)
     coord = coordinator()
     node_searched, first, alive = lose(plan, everyone, [nodes - 1], coord=coord)
-    coord.writers(first.plan)
     second_s, second, _ = lose(first.plan, alive, [nodes // 4], coord=coord)
     return {
         "devices": devices, "precompute_s": precompute_s, "node_precomputed_s": node_pre,

@@ -192,8 +192,9 @@ def test_a_recovery_that_fits_only_recomputing_is_chosen_run_and_trains_the_fail
     host = {mode: est.memory_per_device(profile, recomputing(rerouted, lambda j, s, mode=mode: mode))[3]
             for mode in Recompute}
     running = max(est.memory_per_device(profile, plan).values())
-    memory = max(running, min(host.values())) * 1.01
-    assert memory < host["none"], "rerouting must not fit without recomputation"
+    fits = max(running, min(host.values()))
+    assert fits < host["none"], "rerouting must not fit without recomputation"
+    memory = fits + (host["none"] - fits) / 10  # a device's fixed overheads (cluster.context_gb) dwarf the margin
     least = next(mode for mode in ("selective", "full") if host[mode] <= memory)
 
     run = run_entry("train", tmp_path / "run", *JOB, *DP2_PP2, f"cluster.memory_gb={memory / 1e9}",

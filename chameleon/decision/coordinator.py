@@ -8,7 +8,10 @@ geometry: every live device, survivors of broken TP stages regrouped into units.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from chameleon.decision.config import PolicyConfig
@@ -19,8 +22,8 @@ from chameleon.decision.profiler import Profile
 from chameleon.decision.selector import Decision, decide, decide_growth, decide_slow
 from chameleon.layout.geometry import replica_groups, writers
 from chameleon.layout.plan import Plan
-from chameleon.layout.relayout import Manifest, relayout
-from chameleon.layout.spec import Layout
+from chameleon.layout.relayout import Manifest, relayout_held
+from chameleon.layout.spec import Layout, Region, stage_holdings
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
 
@@ -61,6 +64,20 @@ class Transition:
         return self.decision.chosen.t_step
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector paused for a decision, as it was after: a decision allocates objects by
+    the hundred thousand (its manifest's moves), and every full collection they would set off on the way walks the
+    controller's whole heap (0.2 s each at 4,096 devices); they are collected afterwards, as usual."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class Coordinator:
     """Turns faults and re-joins into generations (see the module doc)."""
 
@@ -75,15 +92,18 @@ class Coordinator:
         self.shapes = self.spec.param_shapes(model)
         self._estimated: tuple[Plan | None, float] = (None, 0.0)
         self._layouts: list[tuple[Plan, Layout]] = []
+        self._holdings: list[tuple[Plan, dict[int, dict[str, Region]]]] = []
 
     def layout(self, plan: Plan) -> Layout:
-        """``plan``'s layout; the last few plans' are kept (the resident plan's serves every fault of its
-        generation, a new plan's both its manifest and its checkpoint writers)."""
-        for known, layout in self._layouts:
-            if known is plan:
-                return layout
-        self._layouts = [(plan, self.spec.layout(self.model, plan)), *self._layouts[:LAYOUTS_KEPT - 1]]
-        return self._layouts[0][1]
+        """``plan``'s layout (the last few plans' are kept)."""
+        return _recent(self._layouts, plan, lambda: self.spec.layout(self.model, plan))
+
+    def holdings(self, plan: Plan) -> dict[int, dict[str, Region]]:
+        """Each device's regions under ``plan``, one dict per stage shape and TP index
+        (:func:`~chameleon.layout.spec.stage_holdings`); the last few plans' are kept (the resident plan's serves
+        every fault of its generation, a new plan's both its manifest and its replica groups)."""
+        return _recent(self._holdings, plan, lambda: stage_holdings(
+            plan, self.shapes, partial(self.spec.stage_param_names, self.model), rules=self.spec.tp_rules))
 
     def writers(self, plan: Plan) -> tuple[int, ...]:
         """The devices that write checkpoints under ``plan``."""
@@ -91,7 +111,7 @@ class Coordinator:
 
     def replica_groups(self, plan: Plan) -> tuple[tuple[int, ...], ...]:
         """The devices under ``plan`` that hold the same regions (:func:`chameleon.layout.geometry.replica_groups`)."""
-        return replica_groups(self.layout(plan))
+        return replica_groups(self.holdings(plan))
 
     def step_estimate(self, plan: Plan) -> float:
         """The estimator's step time of ``plan`` (the last plan's is kept: the resident plan is asked often)."""
@@ -99,6 +119,7 @@ class Coordinator:
             self._estimated = (plan, estimate_step(self.profile, plan, reroute_slots=self.policy.reroute_slots).t_step)
         return self._estimated[1]
 
+    @_collector_paused()
     def recover(
         self, resident: Plan, *, alive: set[int], next_step: int, saved: SavedState | None, now: float,
         fault_times: list[float], elapsed_s: float, precomputed: Plan | None, fresh: str | None = None,
@@ -126,7 +147,7 @@ class Coordinator:
             return self._transition(decision, chosen.plan, alive, saved.committed_steps, None, str(saved.root))
         if fresh is not None:
             return self._transition(decision, chosen.plan, alive, next_step, None, fresh or None)
-        manifest = relayout(self.layout(resident), self.layout(chosen.plan), survivors=sorted(alive))
+        manifest = relayout_held(self.holdings(resident), self.holdings(chosen.plan), survivors=sorted(alive))
         return self._transition(decision, chosen.plan, alive, next_step, manifest, None)
 
     def _bounded(self) -> Planner:
@@ -139,6 +160,7 @@ class Coordinator:
         return dict(checkpoint_age_s=now - saved.committed_at if saved else None, checkpoint_interval_s=interval,
                     domains=self.domains, in_process=True)
 
+    @_collector_paused()
     def grow(self, resident: Plan, *, alive: set[int], joining: set[int], fault_times: list[float], elapsed_s: float,
              saved: SavedState | None = None, now: float = 0.0, measured: Measured = Measured()) -> Transition | Decision:
         """The grown generation when taking ``joining`` devices in pays (Eq. 8), else the decision to stay.
@@ -152,9 +174,10 @@ class Coordinator:
         if decision.choice != "grow":
             return decision
         plan, members = decision.chosen.plan, alive | joining
-        manifest = relayout(self.layout(resident), self.layout(plan), survivors=sorted(members))
+        manifest = relayout_held(self.holdings(resident), self.holdings(plan), survivors=sorted(members))
         return self._transition(decision, plan, members, None, manifest, None)
 
+    @_collector_paused()
     def reshape(self, resident: Plan, *, alive: set[int], speeds: Speeds, step_s: float, horizon_s: float,
                 fault_times: list[float], elapsed_s: float, saved: SavedState | None = None,
                 now: float = 0.0) -> Transition | Decision:
@@ -169,9 +192,18 @@ class Coordinator:
         if decision.choice == "tolerate":
             return decision
         plan = decision.chosen.plan
-        manifest = relayout(self.layout(resident), self.layout(plan), survivors=sorted(alive))
+        manifest = relayout_held(self.holdings(resident), self.holdings(plan), survivors=sorted(alive))
         return self._transition(decision, plan, alive, None, manifest, None)
 
     def _transition(self, decision, plan, members, resume_step, manifest, checkpoint) -> Transition:
         return Transition(decision, plan, tuple(sorted(members)), resume_step, manifest, checkpoint)
+
+
+def _recent(kept: list[tuple[Plan, object]], plan: Plan, build):
+    """What ``build()`` gives for ``plan``, kept in ``kept`` with the last few plans' (:data:`LAYOUTS_KEPT`)."""
+    for known, value in kept:
+        if known is plan:
+            return value
+    kept[:] = [(plan, build()), *kept[:LAYOUTS_KEPT - 1]]
+    return kept[0][1]
 

@@ -392,9 +392,18 @@ def symmetric_step(n_stages: int, n_micro: int, fwd: float, bwd: float) -> float
     return (n_stages + n_micro - 1) * (fwd + bwd)
 
 
+_last_memory: tuple = (None, None, {})  # (profile, plan, its memory): a candidate's fit, then its peak, ask twice
+
+
 def memory_per_device(profile: Profile, plan: Plan) -> dict[int, float]:
-    """Eq. 14 per device (:func:`chameleon.layout.memory.plan_memory` with the profile's costs)."""
-    return memory.plan_memory(profile.memory_costs, plan)
+    """Eq. 14 per device (:func:`chameleon.layout.memory.plan_memory` with the profile's costs); the last plan's
+    is kept (read it, never change it)."""
+    global _last_memory
+    known_profile, known_plan, known = _last_memory
+    if known_plan is not plan or known_profile is not profile:
+        known = memory.plan_memory(profile.memory_costs, plan)
+        _last_memory = (profile, plan, known)
+    return known
 
 
 def fits(profile: Profile, plan: Plan) -> bool:

@@ -35,7 +35,7 @@ norms) as sharded, as the memory model does. Pure functions; nothing touches a p
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 import math
 from dataclasses import dataclass
 from functools import cache, cached_property, lru_cache
@@ -45,7 +45,7 @@ import numpy as np
 
 from chameleon.layout.colouring import SyncGroup, conflict_colours
 from chameleon.layout.plan import Plan, Stage
-from chameleon.layout.spec import Layout, Region, device_holdings, region_numel, shard_region
+from chameleon.layout.spec import Layout, Region, region_numel, shard_region
 
 EMBEDDING = -1
 """The embedding's unit id; layers are ``0 … L−1`` and the head is ``L``."""
@@ -301,6 +301,7 @@ class Geometry:
             return 0.0
         if any(not bucket.stages for bucket in self.buckets):
             return 1.0
+        fewest = min(len(bucket.stages) for bucket in self.buckets)  # a part has a holder on each of its stages
 
         def wipes(group: Collection[int]) -> bool:
             count: dict[Part, int] = {}
@@ -313,7 +314,7 @@ class Geometry:
                                 return True
             return False
 
-        return sum(map(wipes, groups)) / len(groups)
+        return sum(len(group) >= fewest and wipes(group) for group in groups) / len(groups)
 
     # ----- survivors --------------------------------------------------------------------
 
@@ -422,10 +423,15 @@ def writers(layout: Layout) -> dict[int, dict[str, Region]]:
     return out
 
 
-def replica_groups(layout: Layout) -> tuple[tuple[int, ...], ...]:
+def replica_groups(holdings: Mapping[int, Mapping[str, Region]]) -> tuple[tuple[int, ...], ...]:
     """The devices that hold exactly the same regions of exactly the same tensors, in groups of two or more: the
-    replicas whose state must agree byte for byte after every optimizer step."""
+    replicas whose state must agree byte for byte after every optimizer step. ``holdings``: each device's regions
+    (:func:`~chameleon.layout.spec.device_holdings`; devices that share one dict, as
+    :func:`~chameleon.layout.spec.stage_holdings` gives them, are compared once)."""
+    keys: dict[int, tuple] = {}  # by the id of a device's dict
     by_holdings: dict[tuple, list[int]] = {}
-    for device, held in sorted(device_holdings(layout).items()):
-        by_holdings.setdefault(tuple(sorted(held.items())), []).append(device)
+    for device, held in sorted(holdings.items()):
+        if id(held) not in keys:
+            keys[id(held)] = tuple(sorted(held.items()))
+        by_holdings.setdefault(keys[id(held)], []).append(device)
     return tuple(tuple(group) for group in by_holdings.values() if len(group) > 1)

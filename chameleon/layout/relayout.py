@@ -40,6 +40,9 @@ from chameleon.layout.spec import (
 )
 
 
+_NOTHING: Mapping[str, Region] = {}  # what a device that held nothing holds (read only)
+
+
 @dataclass(frozen=True)
 class Move:
     """Copy ``region`` (global coordinates) of tensor ``name`` from device ``src`` to ``dst``."""
@@ -133,58 +136,110 @@ def relayout(
         ValueError: the new layout uses a device that is not a survivor.
         LostStateError: some needed region has no surviving holder.
     """
+    return relayout_held(device_holdings(old_layout), device_holdings(new_layout), survivors=survivors,
+                         bytes_per_element=bytes_per_element)
+
+
+def relayout_held(
+    old: Mapping[int, Mapping[str, Region]],
+    new: Mapping[int, Mapping[str, Region]],
+    *,
+    survivors: Iterable[int],
+    bytes_per_element: int = MIGRATE_BYTES,
+) -> Manifest:
+    """:func:`relayout` from each device's regions before and after (:func:`~chameleon.layout.spec.device_holdings`).
+
+    Devices that share one dict of regions (:func:`~chameleon.layout.spec.stage_holdings`) are worked out once per
+    pair of dicts before and after; only the choice of sources is made per device.
+    """
     alive = sorted(set(survivors))
-    old = device_holdings(old_layout)
     held = {d: old[d] for d in alive if d in old}
-    new = device_holdings(new_layout)
     strangers = sorted(set(new) - set(alive))
     if strangers:
         raise ValueError(f"the new layout uses devices {strangers}, which are not survivors")
     kept = frozenset(d for d, regions in new.items() if held.get(d) == regions)
     after = {d: regions for d, regions in new.items() if d not in kept}
     sources = _Sources(held)
-    moves: list[Move] = []
+    recipes: dict[tuple[int, int], list[tuple[str, Region, int, str]]] = {}  # by the ids of both dicts
+    local: list[Move] = []
+    wire: list[Move] = []
     for dst in sorted(after):
-        for name, need in after[dst].items():
-            if region_numel(need) == 0:
-                continue
-            pieces = _pieces(name, need, held.get(dst, {}).get(name), sources)
-            moves.extend(Move(name, r, dst if src is None else src, dst, region_numel(r) * bytes_per_element)
-                         for src, r in pieces)
-    senders = {m.src for m in moves}
+        own = held.get(dst, _NOTHING)
+        key = (id(own), id(after[dst]))
+        if key not in recipes:
+            recipes[key] = _recipe(own, after[dst], sources)
+        for name, need, numel, how in recipes[key]:
+            if how == "own":
+                local.append(Move(name, need, dst, dst, numel * bytes_per_element))
+            elif how == "replica":
+                src = sources.least_loaded(name, [need])
+                sources.sent[src] += numel
+                wire.append(Move(name, need, src, dst, numel * bytes_per_element))
+            else:
+                for src, r in _pieces(name, need, own.get(name), sources):
+                    (local if src is None else wire).append(
+                        Move(name, r, dst if src is None else src, dst, region_numel(r) * bytes_per_element))
+    senders = {m.src for m in wire}
     return Manifest(
-        local=tuple(m for m in moves if m.local),
-        rounds=_rounds([m for m in moves if not m.local]),
+        local=tuple(local),
+        rounds=_rounds(wire),
         before={d: regions for d, regions in held.items() if d in senders or d in after},
         after=after,
         kept=kept,
     )
 
 
+def _recipe(own: Mapping[str, Region], needs: Mapping[str, Region],
+            sources: _Sources) -> list[tuple[str, Region, int, str]]:
+    """How a device holding ``own`` gets each non-empty region of ``needs``: ``(name, region, elements, how)``,
+    ``how`` ``own`` where it holds the region already, ``replica`` where it holds none of the tensor and a
+    replica holds exactly the region (one source), else ``cut`` along the held regions' boundaries
+    (:func:`_pieces`)."""
+    out = []
+    for name, need in needs.items():
+        numel = region_numel(need)
+        if not numel:
+            continue
+        mine = own.get(name)
+        if mine is not None and contains(mine, need):
+            out.append((name, need, numel, "own"))
+        elif mine is None and need in sources.regions.get(name, {}):
+            out.append((name, need, numel, "replica"))
+        else:
+            out.append((name, need, numel, "cut"))
+    return out
+
+
 class _Sources:
     """Who holds each region of each tensor, and how much each holder has sent so far.
 
-    Replicas hold equal regions, so holders are grouped by region; each group keeps a heap of
-    its devices by bytes sent (lazily refreshed), so the least-loaded holder of a piece is found
-    in time logarithmic in the replicas, not linear.
+    Replicas hold equal regions, so holders are grouped by region, and regions held by the same devices share
+    one group (a layer's tensors on one TP index); each group keeps a heap of its devices by bytes sent (lazily
+    refreshed), so the least-loaded holder of a piece is found in time logarithmic in the replicas, not linear.
+    Devices that share one dict of regions are grouped once.
     """
 
     def __init__(self, held: Mapping[int, Mapping[str, Region]]):
-        self.regions: dict[str, dict[Region, list[int]]] = {}
+        alike: dict[int, tuple[Mapping[str, Region], list[int]]] = {}  # devices by their (shared) dict
         for device in sorted(held):
-            for name, region in held[device].items():
-                self.regions.setdefault(name, {}).setdefault(region, []).append(device)
+            alike.setdefault(id(held[device]), (held[device], []))[1].append(device)
+        dicts: dict[tuple[str, Region], list[int]] = {}  # (name, region) → the dicts holding it
+        for key, (regions, _) in alike.items():
+            for name, region in regions.items():
+                dicts.setdefault((name, region), []).append(key)
+        groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        self.regions: dict[str, dict[Region, list[tuple[int, int]]]] = {}
+        for (name, region), keys in dicts.items():
+            if tuple(keys) not in groups:
+                groups[tuple(keys)] = sorted((0, d) for key in keys for d in alike[key][1])
+            self.regions.setdefault(name, {})[region] = groups[tuple(keys)]
         self.sent: dict[int, int] = dict.fromkeys(held, 0)
-        self._heaps: dict[tuple[str, Region], list[tuple[int, int]]] = {}
 
     def least_loaded(self, name: str, regions: list[Region]) -> int:
         """The holder of one of ``regions`` of ``name`` that has sent least (then the lowest id)."""
         best = None
         for region in regions:
-            heap = self._heaps.get((name, region))
-            if heap is None:
-                heap = self._heaps[name, region] = [(self.sent[d], d) for d in self.regions[name][region]]
-                heapq.heapify(heap)
+            heap = self.regions[name][region]
             while heap[0][0] != self.sent[heap[0][1]]:
                 _, d = heapq.heappop(heap)
                 heapq.heappush(heap, (self.sent[d], d))
@@ -195,13 +250,7 @@ class _Sources:
 def _pieces(name: str, need: Region, own: Region | None, sources: _Sources) -> list[tuple[int | None, Region]]:
     """Cut ``need`` along the boundaries of the held regions that overlap it and pick a source per piece
     (None: the receiver itself, which holds it already)."""
-    if own is not None and contains(own, need):
-        return [(None, need)]
     held = sources.regions.get(name, {})
-    if need in held and own is None:  # a replica holds exactly this region (the common case): one piece
-        src = sources.least_loaded(name, [need])
-        sources.sent[src] += region_numel(need)
-        return [(src, need)]
     overlapping = [region for region in held if intersect(region, need)]
     cuts = [{lo, hi} for lo, hi in need]
     for region in overlapping:
@@ -244,15 +293,23 @@ def _rounds(moves: list[Move]) -> tuple[tuple[Move, ...], ...]:
     linear in the links (a general graph colouring of their conflicts is quadratic).
     """
     links: dict[tuple[int, int], list[Move]] = {}
+    load: dict[tuple[int, int], int] = {}
     for m in moves:
-        links.setdefault((m.src, m.dst), []).append(m)
-    order = sorted(links, key=lambda k: (-sum(m.nbytes for m in links[k]), k))
+        link = (m.src, m.dst)
+        if link in links:
+            links[link].append(m)
+            load[link] += m.nbytes
+        else:
+            links[link], load[link] = [m], m.nbytes
+    order = sorted(links, key=lambda k: (-load[k], k))
     sending: dict[int, set[int]] = {}
     receiving: dict[int, set[int]] = {}
     rounds: list[list[Move]] = []
     for src, dst in order:
         busy_s, busy_r = sending.setdefault(src, set()), receiving.setdefault(dst, set())
-        r = next(r for r in range(len(rounds) + 1) if r not in busy_s and r not in busy_r)
+        r = 0
+        while r in busy_s or r in busy_r:
+            r += 1
         if r == len(rounds):
             rounds.append([])
         busy_s.add(r)

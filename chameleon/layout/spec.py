@@ -15,6 +15,7 @@ shapes from outside.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -84,26 +85,75 @@ def layout_of(
         rules: name pattern → placements on the stage's TP mesh.
 
     Returns:
-        ``{name: TensorSpec}``. A stage without devices contributes its names but no holder.
+        ``{name: TensorSpec}``. A stage without devices contributes its names but no holder. Tensors held by the
+        same stages with the same placements share one tuple of holders.
     """
-    holders: dict[str, list[Holder]] = {}
-    placements: dict[str, tuple[Placement, ...]] = {}
-    names_of: dict[tuple, list[str]] = {}  # stages of one shape hold the same names
-    for pipeline in plan.pipelines:
-        last = pipeline.n_stages - 1
-        for s, stage in enumerate(pipeline.stages):
-            key = (stage.layers, s == 0, s == last)
-            if key not in names_of:
-                names_of[key] = list(stage_names(stage.layers, first=s == 0, last=s == last))
-            for name in names_of[key]:
-                if name not in shapes:
-                    raise ValueError(f"tensor {name!r} of stage layers {stage.layers} has no entry in shapes")
-                held = holders.setdefault(name, [])
-                if stage.devices:
-                    if name not in placements:
-                        placements[name] = placements_for(name, rules=rules)
-                    held.append(Holder(stage.devices, placements[name]))
-    return {name: TensorSpec(name, tuple(shapes[name]), tuple(h)) for name, h in holders.items()}
+    shaped = _StageShapes(plan, shapes, stage_names)
+    at: dict[tuple, list[int]] = {}  # stage shape → its stages with devices
+    for i, (stage, key) in enumerate(zip(shaped.stages, shaped.keys)):
+        if stage.devices:
+            at.setdefault(key, []).append(i)
+    keys_of: dict[str, list[tuple]] = {}
+    for key, names in shaped.names.items():
+        for name in names:
+            keys_of.setdefault(name, []).append(key)
+    held: dict[tuple, list[int]] = {}  # the shapes holding a tensor → their stages with devices, in order
+    holders: dict[tuple, tuple[Holder, ...]] = {}
+    out: Layout = {}
+    for name in shaped.order:
+        keys = tuple(keys_of[name])
+        if keys not in held:
+            held[keys] = sorted(i for key in keys for i in at.get(key, ()))
+        placements = placements_for(name, rules=rules) if held[keys] else ()
+        if (keys, placements) not in holders:
+            holders[keys, placements] = tuple(Holder(shaped.stages[i].devices, placements) for i in held[keys])
+        out[name] = TensorSpec(name, tuple(shapes[name]), holders[keys, placements])
+    return out
+
+
+def stage_holdings(
+    plan: Plan,
+    shapes: Mapping[str, tuple[int, ...]],
+    stage_names: StageNames,
+    *,
+    rules: Rules,
+) -> dict[int, dict[str, Region]]:
+    """``device_holdings(layout_of(plan, ...))``, found once per stage shape and TP index: the devices that hold
+    the same regions share one dict (read it, never change it)."""
+    shaped = _StageShapes(plan, shapes, stage_names)
+    placed = functools.cache(lambda name: placements_for(name, rules=rules))
+    shared: dict[tuple, dict[str, Region]] = {}
+    seats = []  # (where the device first appears in the layout's order, device, its regions)
+    for i, (stage, key) in enumerate(zip(shaped.stages, shaped.keys)):
+        tp = len(stage.devices)
+        for t, device in enumerate(stage.devices):
+            if (key, t, tp) not in shared:
+                shared[key, t, tp] = {name: shard_region(tuple(shapes[name]), placed(name), t, tp)
+                                      for name in shaped.names[key]}
+            seats.append((shaped.first[key], i, t, device, shared[key, t, tp]))
+    seats.sort(key=lambda seat: seat[:3])
+    return {device: regions for *_, device, regions in seats}
+
+
+class _StageShapes:
+    """A plan's stages (pipeline-then-stage order), each one's shape ``(layers, first, last)``, each shape's
+    tensor names in the layout's order (a name's first stage first) and where its first name comes in it."""
+
+    def __init__(self, plan: Plan, shapes: Mapping[str, tuple[int, ...]], stage_names: StageNames):
+        self.stages = [stage for pipeline in plan.pipelines for stage in pipeline.stages]
+        self.keys = [(stage.layers, s == 0, s == pipeline.n_stages - 1)
+                     for pipeline in plan.pipelines for s, stage in enumerate(pipeline.stages)]
+        self.order: dict[str, int] = {}
+        names: dict[tuple, list[str]] = {}
+        for key in self.keys:
+            if key not in names:
+                names[key] = list(stage_names(key[0], first=key[1], last=key[2]))
+                for name in names[key]:
+                    if name not in shapes:
+                        raise ValueError(f"tensor {name!r} of stage layers {key[0]} has no entry in shapes")
+                    self.order.setdefault(name, len(self.order))
+        self.names = {key: sorted(ns, key=self.order.__getitem__) for key, ns in names.items()}
+        self.first = {key: self.order[ns[0]] if ns else len(self.order) for key, ns in self.names.items()}
 
 
 def shard_region(shape: tuple[int, ...], placements: tuple[Placement, ...], tp_index: int, tp: int) -> Region:
