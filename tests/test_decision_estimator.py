@@ -302,3 +302,21 @@ def test_tp_waits_leave_the_cores_to_others():
     # Cores for everyone: the waits change nothing, the schedule's longest path.
     roomy = replace(at(0.5), host_cores=64.0)
     assert est.shared_compute(roomy, plan) == pytest.approx(est.schedule_time(roomy, plan))
+
+
+def test_device_work_is_what_each_device_runs_in_the_step_s_action_lists():
+    """Counted per stage, as the runtime's 1F1B lists would add it up action by action, reroute hosts included."""
+    from chameleon.decision.selector import reroute_plan
+    from chameleon.layout.schedule import step_actions
+
+    prof = tiny_profile()
+    plan = even_plan(dp=3, pp=2, tp=1, n_layers=prof.n_layers, global_batch=18, micro_batch=1)
+    for layout in (plan, reroute_plan(plan, {1}), reroute_plan(plan, {0, 3})):
+        cost = {(kind, j, s): (est.stage_cost(prof, st.n_layers, first=s == 0, last=s == p.n_stages - 1)[kind == "B"])
+                for j, p in enumerate(layout.pipelines) for s, st in enumerate(p.stages) for kind in "FB"}
+        listed = {d: sum(cost[a.kind, a.pipeline, a.stage] for a in actions)
+                  for d, actions in step_actions(layout).items()}
+        got = est.device_work(prof, layout)
+        assert got.keys() == listed.keys()
+        assert all(got[d] == pytest.approx(listed[d]) for d in listed), (got, listed)
+

@@ -33,7 +33,7 @@ from chameleon.decision.profiler import Profile, ring_all_reduce_s
 from chameleon.layout import memory
 from chameleon.layout.geometry import geometry_of, per_device
 from chameleon.layout.plan import Plan, Stage, recomputing
-from chameleon.layout.schedule import Action, dependency, one_f_one_b, step_actions
+from chameleon.layout.schedule import Action, dependency, executors, one_f_one_b, step_actions
 
 REROUTE_SLOTS = ("schedule", "max", "sum")
 
@@ -257,10 +257,23 @@ def _executors(profile: Profile, plan: Plan, *, merged: bool) -> list[tuple[int,
 
 
 def device_work(profile: Profile, plan: Plan) -> dict[int, float]:
-    """Seconds each device of ``plan`` computes in a step at the profile's speed: its forwards and backwards
-    (:func:`~chameleon.layout.schedule.step_actions`), waits left out — what its measured compute is judged by."""
+    """Seconds each device of ``plan`` computes in a step at the profile's speed: its forwards and backwards, as
+    :func:`~chameleon.layout.schedule.step_actions` gives them (a stage's micro-batches on its devices, a rerouted
+    stage's on its hosts in turn), counted per stage rather than listed (the core asks at every generation's start),
+    waits left out — what its measured compute is judged by."""
     cost = _op_costs(profile, plan)
-    return {d: sum(cost[a.kind, a.pipeline, a.stage] for a in actions) for d, actions in step_actions(plan).items()}
+    work: dict[int, float] = {}
+    for j, p in enumerate(plan.pipelines):
+        if not p.micro_batches:
+            continue
+        for s, st in enumerate(p.stages):
+            each = cost["F", j, s] + cost["B", j, s]
+            runs = Counter({st.devices: p.micro_batches}) if st.devices else Counter(
+                executors(plan, j, s, i) for i in range(p.micro_batches))  # a rerouted stage: its hosts, in turn
+            for mesh, micro in runs.items():
+                for d in mesh:
+                    work[d] = work.get(d, 0.0) + micro * each
+    return work
 
 
 def schedule_time(profile: Profile, plan: Plan, speeds: Speeds = EVEN) -> float:
