@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from chameleon.config import CONF_DIR, Backend, Device, Dtype, register_configs, to_config
 from chameleon.faults.spec import FaultKind, FaultSpec
 from chameleon.layout.plan import even_plan
-from chameleon.layout.relayout import manifest_parts, relayout
+from chameleon.layout.relayout import Manifest, manifest_parts, relayout
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
 from chameleon.runtime.protocol import codec
@@ -29,6 +29,7 @@ from chameleon.runtime.protocol.messages import (
     NodeSynced,
     Positions,
     Publish,
+    parcel,
     sample_ranges,
 )
 from chameleon.runtime.protocol.position import Position
@@ -58,6 +59,25 @@ def test_messages_specs_and_manifests_survive_a_round_trip():
     assert last.grad_norm == float("inf") and last.t_published != last.t_published  # nan survives as nan
     assert roundtrip(manifest) == manifest
     assert sample_ranges([5, 4, 7, 6, 9]) == ((4, 8), (9, 10)) and sample_ranges([1, 1, 2]) == ((1, 2), (1, 3))
+
+
+def test_each_nodes_moves_are_encoded_together_and_decode_to_its_part_of_the_manifest():
+    """A re-plan onto fewer pipelines with a TP change (regions cut, 1-D and 2-D): every node's frame decodes to the
+    Moves of its part (:func:`manifest_parts`); a node with no part gets an empty one, its rounds kept."""
+    model = ModelConfig(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=40, multiple_of=8)
+    old = even_plan(dp=4, pp=4, tp=4, n_layers=8, global_batch=16, micro_batch=1)
+    new = even_plan(dp=7, pp=4, tp=2, n_layers=8, global_batch=14, micro_batch=1)
+    layout = spec_of(model).layout
+    manifest = relayout(layout(model, old), layout(model, new), survivors=range(56))
+    parts = manifest_parts(manifest, lambda d: d // 8)
+    assert len(manifest.rounds) > 1 and {len(m.region) for m in manifest.moves} == {1, 2}
+    assert any(not moves for part in parts.values() for moves in part.rounds), "a node idle in some round"
+    parcels = parcel(manifest, generation=5, nodes=range(9), node_of=lambda d: d // 8)
+    assert parcels.generation == 5 and sorted(parcels.sends) == list(range(9)) and 8 not in parts
+    empty = Manifest((), tuple(() for _ in manifest.rounds), {}, {})
+    for node, (moves, payload) in parcels.sends.items():
+        assert moves == Moves(5, parts.get(node, empty)) and codec.decode(payload) == moves
+    assert roundtrip(manifest) == manifest
 
 
 def test_tensors_travel_as_raw_bytes_with_their_dtype_and_shape():
@@ -97,6 +117,7 @@ def frame(doc: object, blobs: bytes = b"") -> bytes:
     ({"c": "Commit", "v": [0]}, "does not describe"),
     ({"x": ["object", [1], 0]}, "dtype"),
     ({"x": ["float32", [4], 0]}, "past the end"),
+    ({"c": "Manifest", "p": [[], [], [0, 9, 1, 2, 3], [0, []], [], [], [], []]}, "does not describe"),  # no name 0
 ])
 def test_a_frame_can_only_build_registered_values(doc, why):
     with pytest.raises(codec.CodecError, match=why):

@@ -49,6 +49,7 @@ from chameleon.runtime.control.notices import (
 )
 from chameleon.runtime.control.recorder import text_of
 from chameleon.runtime.node.preflight import check_job
+from chameleon.runtime.protocol import codec
 from chameleon.runtime.protocol.errors import LaunchError, TrainingError
 from chameleon.runtime.protocol.messages import (
     Begin,
@@ -233,6 +234,7 @@ def test_a_lost_node_flags_the_generation_then_publishes_the_next_with_each_node
     assert publish.spec.generation == 1 and set(publish.spec.devices) == {0, 1} and publish.spec.resume_step == 1
     moves = [e for e in out if isinstance(e, Send) and isinstance(e.message, Moves)]
     assert [m.node for m in moves] == [0] and publish.spec.moves == (publish.spec.plan != core.first_plan)
+    assert all(codec.decode(m.payload) == m.message for m in moves), "encoded in the decision's thread, once"
     (fault,) = [e.event for e in of(out, Record) if e.event["event"] == "fault"]
     assert fault["failed_ranks"] == [2, 3] and "node 1 lost" in fault["cause"]
     (told,) = of(out, RecoveryDecided)
@@ -372,7 +374,8 @@ def test_a_loss_while_a_recovery_is_decided_supersedes_that_decision():
     out += killed(core, 2)
     assert sent(out, Flag) == [Flag(0)], "the broken generation is flagged once"
     decider.run()
-    assert isinstance(stale.result(), Transition) and stale.result().decision.failed == (1,), "it ran, for device 1"
+    transition, _ = stale.result()
+    assert isinstance(transition, Transition) and transition.decision.failed == (1,), "it ran, for device 1"
     out += core.handle(Tick())
     (publish,) = sent(out, Publish)
     assert publish.spec.generation == 1 and set(publish.spec.devices) == {0, 3}

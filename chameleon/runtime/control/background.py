@@ -3,10 +3,13 @@ a reshape, a recovery's decision)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from chameleon.layout.plan import Plan
+from chameleon.layout.relayout import Manifest
+from chameleon.runtime.protocol.messages import Parcels
 
 
 @dataclass
@@ -22,6 +25,15 @@ class Search:
     def stands(self, resident: Plan) -> bool:
         """Whether it was searched for ``resident`` and has finished."""
         return self.resident is resident and self.future.done()
+
+
+def parcelled(decide: Callable, parcel: Callable[[Manifest], Parcels], /, *args,
+              **kwargs) -> tuple[object, Parcels | None]:
+    """``decide(*args, **kwargs)``, and the :class:`~chameleon.runtime.protocol.messages.Moves` of the transition it
+    returns, if that moves state, encoded by ``parcel`` in the same thread: the event loop only sends them."""
+    outcome = decide(*args, **kwargs)
+    manifest = getattr(outcome, "manifest", None)
+    return outcome, None if manifest is None else parcel(manifest)
 
 
 class Background:

@@ -353,8 +353,8 @@ class Controller:
 
     def _carry_out(self, effect: object, arriving: Link | None) -> None:
         match effect:
-            case Send(node=node, message=message):
-                self._send(node, message, codec.encode(message))
+            case Send(node=node, message=message, payload=payload):
+                self._send(node, message, payload or codec.encode(message))
             case Broadcast(message=message):
                 payload = codec.encode(message)
                 for node in [0, *self.links]:

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from chameleon.config import Config, OnCorrupt, pipelines_allowed
@@ -34,7 +36,7 @@ from chameleon.decision.selector import precompute_replans
 from chameleon.faults.spec import FaultSpec, Injector, controller_faults
 from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Plan
-from chameleon.layout.relayout import Manifest, manifest_parts
+from chameleon.layout.relayout import Manifest
 from chameleon.optim import learning_rate, schedule_of
 from chameleon.report.breakdown import Span
 from chameleon.runtime.control.background import Background
@@ -90,12 +92,12 @@ from chameleon.runtime.protocol.messages import (
     Hung,
     Inject,
     Lease,
-    Moves,
     NodeEvaluated,
     NodeReady,
     NodeSaved,
     NodeSynced,
     Noted,
+    Parcels,
     Positions,
     Publish,
     Renew,
@@ -104,6 +106,7 @@ from chameleon.runtime.protocol.messages import (
     Standby,
     Start,
     Welcome,
+    parcel,
 )
 from chameleon.runtime.protocol.position import Position
 from chameleon.runtime.protocol.timeouts import Timeouts
@@ -442,8 +445,10 @@ class Core:
 
     # ----- generations and steps ------------------------------------------------------------------
 
-    def _publish(self, plan: Plan, *, members: tuple[int, ...], resume_step: int, manifest=None, checkpoint=None) -> None:
-        """A new generation: each node's part of the manifest, then the spec to every node."""
+    def _publish(self, plan: Plan, *, members: tuple[int, ...], resume_step: int, manifest: Manifest | None = None,
+                 checkpoint=None, parcels: Parcels | None = None) -> None:
+        """A new generation: each node's part of the manifest (encoded in the thread that decided it: ``parcels``),
+        then the spec to every node."""
         self.generation += 1
         writers = self.coordinator.writers(plan)
         self.spec = GenerationSpec(self.generation, plan, members, resume_step, manifest, checkpoint, writers,
@@ -453,10 +458,10 @@ class Core:
         self.done.clear()  # a generation after the last step (a fault in the final validation) ends anew
         self.final.clear()
         if manifest is not None:
-            parts = manifest_parts(manifest, self.topology.node_of)
-            empty = Manifest((), tuple(() for _ in manifest.rounds), {}, {})
+            if parcels is None or parcels.generation != self.generation:  # another generation came first
+                parcels = parcel(manifest, generation=self.generation, nodes=self.nodes, node_of=self.topology.node_of)
             for node in self.nodes:
-                self._emit(Send(node, Moves(self.generation, parts.get(node, empty))))
+                self._emit(Send(node, *parcels.sends[node]))
         self.latest_publish = Publish(replace(self.spec, manifest=None))
         self._emit(Broadcast(self.latest_publish))
         self.watchdog.progressed(self.clock.mono())
@@ -545,9 +550,9 @@ class Core:
             self._emit(Preempting(c.step))
         elif not self.ledger.finished and (grown := self.growth.ripe(self.resident, self.membership.standby,
                                                                      self.clock.wall())) is not None:
-            order = CommitOrder(switch_to=self._switch(grown))
+            order = CommitOrder(switch_to=self._switch(*grown))
         elif not self.ledger.finished and (reshaped := self.reshape.ripe(self.resident, self.clock.wall())) is not None:
-            order = CommitOrder(switch_to=self._switch_reshape(reshaped))
+            order = CommitOrder(switch_to=self._switch_reshape(*reshaped))
         now = self.clock.wall()
         self.last_commit_wall = now
         self._emit(Broadcast(Commit(committed_in, c.step, order, c.grad_norm, now)))
@@ -644,7 +649,7 @@ class Core:
         for f in self.injector.during_decision(loss.step):
             self._inject(f)
         self.recovery.decide(
-            self.resident, loss, self.coordinator, self._precomputed(), next_step=loss.step,
+            self.resident, loss, self.coordinator, self._precomputed(), parcel=self._parcel(), next_step=loss.step,
             fresh=None if self.t_train is not None else self.config.ckpt.resume or "", measured=self._measured(),
             speeds=self.reshape.slow, **self._context(),
         )
@@ -656,13 +661,19 @@ class Core:
         Raises:
             TrainingError: no recovery is possible.
         """
-        transition = self.recovery.decided(self.clock.wall(), generation=self.generation, was=self.resident,
-                                           saved=self.saved)
-        if transition is None:
+        decided = self.recovery.decided(self.clock.wall(), generation=self.generation, was=self.resident,
+                                        saved=self.saved)
+        if decided is None:
             return
+        transition, parcels = decided
         self._publish(transition.plan, members=transition.members, resume_step=transition.resume_step,
-                      manifest=transition.manifest, checkpoint=transition.checkpoint)
+                      manifest=transition.manifest, checkpoint=transition.checkpoint, parcels=parcels)
         self.recovery.published(self.clock.wall())
+
+    def _parcel(self) -> Callable[[Manifest], Parcels]:
+        """What encodes, in a background thread, every node's moves of the generation after this one."""
+        return partial(parcel, generation=self.generation + 1, nodes=range(self.topology.nnodes),
+                       node_of=self.topology.node_of)
 
     def _step_start(self) -> float:
         """When the step under way started: the last commit, or the first step."""
@@ -740,25 +751,29 @@ class Core:
         if self._settled():
             self.growth.consider(self.membership.standby, restarting=bool(self.membership.of(Lifecycle.restarting)),
                                  now=self.clock.wall(), resident=self.resident, decide=self.coordinator.grow,
+                                 parcel=self._parcel(),
                                  context=lambda: {**self._context(), "measured": self._measured()})
 
-    def _switch(self, grown: Transition) -> int:
+    def _switch(self, grown: Transition, parcels: Parcels | None) -> int:
         """Publish the grown generation; the devices it takes in are members from now on."""
         joined = self.membership.join(grown.members)
         self.growth.switched(grown, joined, self.resident, self.clock.wall())
-        self._publish(grown.plan, members=grown.members, resume_step=self.ledger.next_step, manifest=grown.manifest)
+        self._publish(grown.plan, members=grown.members, resume_step=self.ledger.next_step, manifest=grown.manifest,
+                      parcels=parcels)
         return self.generation
 
     def _consider_reshape(self) -> None:
         """A changed verdict on slow devices: decide in the planner's thread how to train around them (Eq. 8)."""
         if self._settled() and self.growth.timeline is None:
             self.reshape.consider(self.resident, next_step=self.ledger.next_step, times=self.resident_times,
-                                  now=self.clock.wall(), decide=self.coordinator.reshape, context=self._context)
+                                  now=self.clock.wall(), decide=self.coordinator.reshape, parcel=self._parcel(),
+                                  context=self._context)
 
-    def _switch_reshape(self, to: Transition) -> int:
+    def _switch_reshape(self, to: Transition, parcels: Parcels | None) -> int:
         """Publish the generation chosen for slow devices."""
         self.reshape.switched(to, self.resident, next_step=self.ledger.next_step, now=self.clock.wall())
-        self._publish(to.plan, members=to.members, resume_step=self.ledger.next_step, manifest=to.manifest)
+        self._publish(to.plan, members=to.members, resume_step=self.ledger.next_step, manifest=to.manifest,
+                      parcels=parcels)
         return self.generation
 
     def close(self) -> None:

@@ -72,8 +72,11 @@ class Preempt:
 
 @dataclass(frozen=True)
 class Send:
+    """A message to one node; ``payload``: its frame, when encoded already (off the event loop)."""
+
     node: int
     message: object
+    payload: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ from chameleon.decision.coordinator import Transition
 from chameleon.decision.selector import Decision
 from chameleon.layout.plan import Plan
 from chameleon.report.breakdown import Span
-from chameleon.runtime.control.background import Background
+from chameleon.runtime.control.background import Background, parcelled
 from chameleon.runtime.control.events import Record
 from chameleon.runtime.control.notices import GrowingBack, Grew, GrowthDeclined
 from chameleon.runtime.control.timelines import Growth
+from chameleon.runtime.protocol.messages import Parcels
 
 GROW_SETTLE_S = 0.5  # wait for more returning devices this long after the last one
 
@@ -34,25 +35,28 @@ class Grower:
         self.done: list[Growth] = []
 
     def consider(self, standby: Mapping[int, float], *, restarting: bool, now: float, resident: Plan,
-                 decide: Callable[..., Transition | Decision], context: Callable[[], dict]) -> None:
+                 decide: Callable[..., Transition | Decision], parcel: Callable, context: Callable[[], dict]) -> None:
         """Devices on ``standby`` (since when each is back): decide ``decide(resident, joining=..., **context())``
-        in the planner's thread, once no device is ``restarting`` or the last came back ``GROW_SETTLE_S`` ago."""
+        in the planner's thread (a growth's moves encoded there too, by ``parcel``), once no device is ``restarting``
+        or the last came back ``GROW_SETTLE_S`` ago."""
         joining = frozenset(standby)
         if not joining or joining == self.declined or self.background.busy:
             return
         if restarting and now - max(standby.values()) < GROW_SETTLE_S:
             return  # a node's devices come back together: wait a moment for the rest
-        self.background.submit(resident, joining, decide, resident, joining=set(joining), **context())
+        self.background.submit(resident, joining, parcelled, decide, parcel, resident, joining=set(joining),
+                               **context())
 
-    def ripe(self, resident: Plan, standby: Mapping[int, float], now: float) -> Transition | None:
-        """A decided growth, if it is ready and still stands (same plan, same devices back)."""
+    def ripe(self, resident: Plan, standby: Mapping[int, float],
+             now: float) -> tuple[Transition, Parcels | None] | None:
+        """A decided growth and its encoded moves, if it is ready and still stands (same plan, same devices back)."""
         growth = self.background.finished()
         if growth is None:
             return None
         joining = growth.about
         if not growth.stands(resident) or not joining <= set(standby):
             return None
-        outcome: Transition | Decision = growth.future.result()
+        outcome, parcels = growth.future.result()
         t_back = min(standby[d] for d in joining)
         if isinstance(outcome, Decision):
             self.declined = joining
@@ -63,7 +67,7 @@ class Grower:
         self.timeline = Growth(sorted(joining), t_back, t_decided=now, decision=outcome.decision,
                                plan=outcome.plan.describe(), estimated_step_s=outcome.estimated_step_s,
                                manifest_bytes=outcome.manifest.wire_bytes if outcome.manifest else 0)
-        return outcome
+        return outcome, parcels
 
     def switched(self, grown: Transition, joined: set[int], was: Plan, now: float) -> None:
         """The grown generation is published: ``joined`` are members from now on."""

@@ -13,11 +13,12 @@ from chameleon.decision.coordinator import Coordinator, NoRecovery, SavedState, 
 from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Plan
 from chameleon.report.breakdown import Span
-from chameleon.runtime.control.background import Background
+from chameleon.runtime.control.background import Background, parcelled
 from chameleon.runtime.control.events import Record
 from chameleon.runtime.control.notices import Recovered, RecoveryDecided
 from chameleon.runtime.control.timelines import Recovery
 from chameleon.runtime.protocol.errors import TrainingError
+from chameleon.runtime.protocol.messages import Parcels
 
 PACE_STEPS = 3  # a recovery's estimate is compared with the median of this many steady steps after it
 
@@ -88,13 +89,15 @@ class Recoverer:
             self.timeline.where.update(loss.where)
         return self.deciding.search.about.then(loss) if self.deciding.busy else loss
 
-    def decide(self, resident: Plan, loss: Loss, coordinator: Coordinator, precomputed: Future | None,
-               **kwargs) -> None:
-        """Decide on ``loss`` in the decision thread (:func:`recover`)."""
-        self.deciding.submit(resident, loss, recover, coordinator, precomputed, resident, **kwargs)
+    def decide(self, resident: Plan, loss: Loss, coordinator: Coordinator, precomputed: Future | None, *,
+               parcel: Callable, **kwargs) -> None:
+        """Decide on ``loss`` in the decision thread (:func:`recover`), which encodes its moves too (``parcel``)."""
+        self.deciding.submit(resident, loss, parcelled, recover, parcel, coordinator, precomputed, resident, **kwargs)
 
-    def decided(self, now: float, *, generation: int, was: Plan, saved: SavedState | None) -> Transition | None:
-        """The decision, once the thread has it (None before): recorded and told; ``generation``: the broken one.
+    def decided(self, now: float, *, generation: int, was: Plan,
+                saved: SavedState | None) -> tuple[Transition, Parcels | None] | None:
+        """The decision and its encoded moves, once the thread has them (None before): recorded and told;
+        ``generation``: the broken one.
 
         Raises:
             TrainingError: no recovery is possible.
@@ -104,7 +107,7 @@ class Recoverer:
             return None
         loss: Loss = search.about
         try:
-            transition: Transition = search.future.result()
+            transition, parcels = search.future.result()
         except NoRecovery as err:
             raise TrainingError(str(err)) from None
         rec = self.timeline
@@ -122,7 +125,7 @@ class Recoverer:
         reload = (transition.resume_step, loss.t_detect - saved.committed_at) if transition.checkpoint else (None, 0.0)
         self.emit(RecoveryDecided(tuple(sorted(loss.devices)), loss.step, loss.cause, loss.where, transition.decision,
                                   transition.plan, was, *reload))
-        return transition
+        return transition, parcels
 
     def published(self, now: float) -> None:
         self.timeline.t_published = now

@@ -15,11 +15,12 @@ from chameleon.decision.profiler import Profile
 from chameleon.decision.selector import Decision
 from chameleon.layout.plan import Plan
 from chameleon.report.breakdown import Span
-from chameleon.runtime.control.background import Background
+from chameleon.runtime.control.background import Background, parcelled
 from chameleon.runtime.control.events import Record
 from chameleon.runtime.control.notices import Reshaping, SlowDevices, Tolerating
 from chameleon.runtime.control.stragglers import Stragglers
 from chameleon.runtime.control.timelines import Reshape
+from chameleon.runtime.protocol.messages import Parcels
 
 
 def _slow(speeds: dict[int, float]) -> dict[str, float]:
@@ -84,20 +85,23 @@ class Reshaper:
             self.due = bool(self.stragglers.slow)
 
     def consider(self, resident: Plan, *, next_step: int, times: list[float], now: float,
-                 decide: Callable[..., Transition | Decision], context: Callable[[], dict]) -> None:
+                 decide: Callable[..., Transition | Decision], parcel: Callable, context: Callable[[], dict]) -> None:
         """A changed verdict: decide ``decide(resident, speeds=..., step_s=..., horizon_s=..., **context())`` in the
-        planner's thread, from the median of the resident plan's last steady step ``times``."""
+        planner's thread (a new plan's moves encoded there too, by ``parcel``), from the median of the resident
+        plan's last steady step ``times``."""
         if not self.due or self.background.busy or next_step < self.after or not times:
             return
         self.due = False
         speeds = self.slow
         recent = sorted(times[-self.ft.slow_window:])
-        self.background.submit(resident, tuple(sorted(speeds.items())), decide, resident, speeds=speeds,
-                               step_s=recent[len(recent) // 2], horizon_s=self.ft.slow_expected_s, **context())
+        self.background.submit(resident, tuple(sorted(speeds.items())), parcelled, decide, parcel, resident,
+                               speeds=speeds, step_s=recent[len(recent) // 2], horizon_s=self.ft.slow_expected_s,
+                               **context())
         self.timeline = Reshape(speeds, next_step, now)
 
-    def ripe(self, resident: Plan, now: float) -> Transition | None:
-        """A decided reshape that moves to a new plan, if it is ready and still stands (same plan, same verdict)."""
+    def ripe(self, resident: Plan, now: float) -> tuple[Transition, Parcels | None] | None:
+        """A decided reshape that moves to a new plan, and its encoded moves, if it is ready and still stands (same
+        plan, same verdict)."""
         search = self.background.finished()
         if search is None:
             return None
@@ -105,7 +109,7 @@ class Reshaper:
         if not search.stands(resident) or search.about != tuple(sorted(self.slow.items())):
             self.timeline, self.due = None, True
             return None
-        outcome: Transition | Decision = search.future.result()
+        outcome, parcels = search.future.result()
         timeline.t_decided = now
         decision = outcome if isinstance(outcome, Decision) else outcome.decision
         timeline.decision = decision
@@ -117,7 +121,7 @@ class Reshaper:
             self.emit(Tolerating(decision))
             return None
         timeline.plan, timeline.estimated_step_s = outcome.plan.describe(), outcome.estimated_step_s
-        return outcome
+        return outcome, parcels
 
     def switched(self, to: Transition, was: Plan, *, next_step: int, now: float) -> None:
         """The generation chosen is published; no new decision on slow devices before it paid its transition."""

@@ -34,7 +34,7 @@ import json
 import struct
 import typing
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -93,8 +93,9 @@ def _types_in(hint) -> list:
     return [hint] + [t for arg in typing.get_args(hint) for t in _types_in(arg)]
 
 
-def encode(value: object) -> bytes:
-    """One frame holding ``value``."""
+def encode(value: object, *, packs: Mapping[type, Callable[[object], list]] | None = None) -> bytes:
+    """One frame holding ``value``; ``packs``: packings to use instead of registered classes' own, in the same
+    format (one that shares work between frames)."""
     blobs: list[bytes] = []
     size = [0]
 
@@ -119,7 +120,8 @@ def encode(value: object) -> bytes:
         if _CLASSES.get(cls.__name__) is not cls:
             raise CodecError(f"cannot encode a {cls.__module__}.{cls.__qualname__}: register it with the codec")
         if cls.__name__ in _PACKED:
-            return {"c": cls.__name__, "p": _PACKED[cls.__name__][0](v)}
+            pack = packs.get(cls) if packs else None
+            return {"c": cls.__name__, "p": (pack or _PACKED[cls.__name__][0])(v)}
         return {"c": cls.__name__, "v": [enc(getattr(v, f.name)) for f in dataclasses.fields(v)]}
 
     doc = json.dumps(enc(value), separators=(",", ":")).encode()
@@ -190,7 +192,7 @@ def decode(frame: bytes | memoryview) -> object:
 
     try:
         return dec(doc)
-    except (TypeError, AttributeError, StopIteration, ValueError) as err:
+    except (TypeError, AttributeError, StopIteration, ValueError, LookupError) as err:
         raise CodecError(f"a frame does not describe a value: {err}") from None
 
 

@@ -19,13 +19,15 @@ generation says is dropped. ``docs/protocol.md`` gives who sends what, when.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain
 
 from chameleon.config import Config
 from chameleon.faults.spec import FaultSpec
 from chameleon.layout.plan import Pipeline, Plan, Recompute, Reroute, Stage
-from chameleon.layout.relayout import Manifest, Move
+from chameleon.layout.relayout import Manifest, Move, manifest_parts
 from chameleon.runtime.protocol import codec
 from chameleon.runtime.protocol.position import Position
 
@@ -452,39 +454,111 @@ def _unpack_plan(packed: list) -> Plan:
                 tuple(Reroute(j, s, tuple(hosts)) for j, s, hosts in reroutes))
 
 
-def _pack_moves(moves) -> list:
-    return [[m.name, [list(r) for r in m.region], m.src, m.dst, m.nbytes] for m in moves]
+class _Packer:
+    """Packs manifests — a whole one, or each node's part of one — as flat lists of ints (the format is in
+    ``docs/protocol.md``): tensor names and regions are indices into tables of their own, each part holding the
+    entries it uses; what parts share — a dict of regions many devices hold, the tables — is packed once."""
+
+    def __init__(self):
+        self.names: dict[str, int] = {}
+        self.regions: dict[tuple, int] = {}
+        self.held: dict[int, tuple[dict, list[int]]] = {}  # by id: the dict (kept alive), packed
+
+    def _moves(self, moves: tuple[Move, ...]) -> list[int]:
+        names, regions, flat = self.names, self.regions, []
+        for m in moves:
+            flat += (names.setdefault(m.name, len(names)), regions.setdefault(m.region, len(regions)), m.src, m.dst,
+                     m.nbytes)
+        return flat
+
+    def _held(self, held: dict) -> list[int]:
+        got = self.held.get(id(held))
+        if got is None:
+            names, regions, flat = self.names, self.regions, []
+            for name, region in held.items():
+                flat += (names.setdefault(name, len(names)), regions.setdefault(region, len(regions)))
+            got = self.held[id(held)] = held, flat
+        return got[1]
+
+    def pack(self, m: Manifest) -> list:
+        tables: dict[int, int] = {}  # id of a dict of regions → its index in this part's list of them
+        held: list[list[int]] = []
+
+        def devices(by_device: dict) -> list[int]:
+            out: list[int] = []
+            for d, regions in by_device.items():
+                if id(regions) not in tables:
+                    tables[id(regions)] = len(held)
+                    held.append(self._held(regions))
+                out += (d, tables[id(regions)])
+            return out
+
+        before, after = devices(m.before), devices(m.after)
+        local = self._moves(m.local)
+        rounds: list = []
+        for r, moves in enumerate(m.rounds):
+            if moves:
+                rounds += (r, self._moves(moves))
+        moved = [local, *rounds[1::2]]
+        names = {n for flat in moved for n in flat[0::5]}.union(*(flat[0::2] for flat in held))
+        regions = {r for flat in moved for r in flat[1::5]}.union(*(flat[1::2] for flat in held))
+        name_of, region_of = list(self.names), list(self.regions)
+        return [[x for n in sorted(names) for x in (n, name_of[n])],
+                [x for r in sorted(regions) for x in (r, len(region_of[r]), *chain.from_iterable(region_of[r]))],
+                local, [len(m.rounds), rounds], held, before, after, sorted(m.kept)]
 
 
-def _unpack_moves(packed: list) -> tuple[Move, ...]:
-    return tuple(Move(name, _region(r), src, dst, nbytes) for name, r, src, dst, nbytes in packed)
-
-
-def _pack_held(held: dict) -> list:
-    return [[d, [[name, [list(r) for r in region]] for name, region in regions.items()]] for d, regions in held.items()]
-
-
-def _unpack_held(packed: list) -> dict:
-    return {d: {name: _region(r) for name, r in regions} for d, regions in packed}
-
-
-def _region(packed: list) -> tuple[tuple[int, int], ...]:
-    return tuple(tuple(r) for r in packed)
-
-
-def _pack_manifest(m: Manifest) -> list:
-    return [_pack_moves(m.local), [_pack_moves(r) for r in m.rounds], _pack_held(m.before), _pack_held(m.after),
-            sorted(m.kept)]
+def _unpack_regions(flat: list) -> dict[int, tuple]:
+    out, i = {}, 0
+    while i < len(flat):
+        j = i + 2 + 2 * flat[i + 1]
+        out[flat[i]] = tuple(zip(flat[i + 2:j:2], flat[i + 3:j:2]))
+        i = j
+    return out
 
 
 def _unpack_manifest(packed: list) -> Manifest:
-    local, rounds, before, after, kept = packed
-    return Manifest(_unpack_moves(local), tuple(_unpack_moves(r) for r in rounds), _unpack_held(before),
-                    _unpack_held(after), frozenset(kept))
+    names, regions, local, (count, rounds), held, before, after, kept = packed
+    names, regions = dict(zip(names[::2], names[1::2])), _unpack_regions(regions)
+
+    def moves(flat: list) -> tuple[Move, ...]:
+        return tuple(Move(names[n], regions[r], src, dst, nbytes) for n, r, src, dst, nbytes in zip(*[iter(flat)] * 5))
+
+    tables = [{names[n]: regions[r] for n, r in zip(flat[::2], flat[1::2])} for flat in held]  # shared as they were
+    by_round = dict(zip(rounds[::2], rounds[1::2]))
+    return Manifest(moves(local), tuple(moves(by_round.get(r, ())) for r in range(count)),
+                    {d: tables[i] for d, i in zip(before[::2], before[1::2])},
+                    {d: tables[i] for d, i in zip(after[::2], after[1::2])}, frozenset(kept))
+
+
+@dataclass(frozen=True)
+class Parcels:
+    """Every node's :class:`Moves` of a generation, with its frame (:func:`parcel`)."""
+
+    generation: int
+    sends: dict[int, tuple[Moves, bytes]]
+
+
+def parcel(manifest: Manifest, *, generation: int, nodes: Iterable[int], node_of: Callable[[int], int]) -> Parcels:
+    """The :class:`Moves` of ``generation`` for each of ``nodes``, its part of ``manifest``, encoded together (off
+    the event loop: a re-plan at thousands of devices moves most state): what parts share is packed once, and the
+    nodes with no part share one empty one."""
+    packing = {Manifest: _Packer().pack}
+    parts = manifest_parts(manifest, node_of)
+    empty = Moves(generation, Manifest((), tuple(() for _ in manifest.rounds), {}, {}))
+    blank = empty, codec.encode(empty, packs=packing)
+    sends = {}
+    for node in nodes:
+        if node in parts:
+            moves = Moves(generation, parts[node])
+            sends[node] = moves, codec.encode(moves, packs=packing)
+        else:
+            sends[node] = blank
+    return Parcels(generation, sends)
 
 
 codec.register_packed(Plan, pack=_pack_plan, unpack=_unpack_plan)
-codec.register_packed(Manifest, pack=_pack_manifest, unpack=_unpack_manifest)
+codec.register_packed(Manifest, pack=lambda m: _Packer().pack(m), unpack=_unpack_manifest)
 codec.register(
     Pipeline, Stage, Reroute, Move, Position, FaultSpec, GenerationSpec, CommitOrder,
     Moves, Publish, Begin, Commit, Flag, End, Standby, Ready, Synced, SelfTimed, Evaluated, CheckpointSaved, Failed, Damaged, Dying,
