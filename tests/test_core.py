@@ -510,6 +510,30 @@ def test_returning_devices_grow_the_job_at_a_step_boundary():
     assert told.devices == (2, 3) and told.plan is core.spec.plan and told.decision.choice
 
 
+def test_a_growth_onto_devices_back_is_decided_from_the_precomputed_plans():
+    """Each generation's precompute also searches the shape over every unit with the devices away back: their
+    return is decided with no planner search."""
+    clock = FakeClock()
+    core = started(core_of("policy.name=dynamic", clock=clock))
+    step(core, 0)
+    core.handle(Lost(1, "gone"))
+    g = core.generation
+    core.handle(Received(0, NodeReady(0, g, (0, 1))))  # the next generation starts: its precompute runs
+    step(core, 1, nodes=(0,), norm=(1.0,))
+    planners = (core.planner_, core.planner_.replicated)
+    searched = [set(p._searched) for p in planners]
+    assert (4, core.resident.n_micro_batches) in searched[0], "the shape with devices 2 and 3 back"
+    core.handle(Registered(hello(core, 1, returning=True)))
+    for d in (2, 3):
+        core.handle(Received(1, Standby(d, g)))
+    clock.advance(1.0)
+    core.handle(Tick())
+    out = step(core, 2, nodes=(0,), norm=(1.0,))
+    (told,) = of(out, GrowingBack)
+    assert told.devices == (2, 3) and set(core.spec.devices) == {0, 1, 2, 3}
+    assert [set(p._searched) for p in planners] == searched, "a growth onto the devices away needs no search"
+
+
 @pytest.mark.parametrize(("device", "backend", "lengths"), [("cpu", None, (1, 2, 3, 4)), ("cuda", "gloo", (1, 2, 3, 4)),
                                                            ("cuda", None, (1,)), ("npu", None, (1,))])
 def test_recovery_plans_pipeline_only_over_a_backend_that_can(device, backend, lengths):

@@ -162,15 +162,17 @@ class Coordinator:
 
     @_collector_paused()
     def grow(self, resident: Plan, *, alive: set[int], joining: set[int], fault_times: list[float], elapsed_s: float,
-             saved: SavedState | None = None, now: float = 0.0, measured: Measured = Measured()) -> Transition | Decision:
-        """The grown generation when taking ``joining`` devices in pays (Eq. 8), else the decision to stay.
+             saved: SavedState | None = None, now: float = 0.0, measured: Measured = Measured(),
+             precomputed: Plan | None = None) -> Transition | Decision:
+        """The grown generation when taking ``joining`` devices in pays (Eq. 8), else the decision to stay
+        (``precomputed``: the planner's best over every unit, placed, if searched ahead).
 
         Its ``resume_step`` is left to the caller: the step after the commit it switches at.
         """
         idle = joining | (alive - set(resident.devices))
         decision = decide_growth(self.profile, resident, idle, policy=self.policy, planner=self._bounded(),
                                  fault_times=fault_times, elapsed_s=elapsed_s, measured=measured,
-                                 **self._fallback(resident, saved, now))
+                                 precomputed=precomputed, **self._fallback(resident, saved, now))
         if decision.choice != "grow":
             return decision
         plan, members = decision.chosen.plan, alive | joining

@@ -43,7 +43,7 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
@@ -641,17 +641,19 @@ class Precomputed:
         return None if shape is None else place(refill(shape, units), previous, profile)
 
 
-def precompute(plan: Plan, planner: Planner, losses) -> Precomputed:
+def precompute(plan: Plan, planner: Planner, losses, back: Collection[int] = ()) -> Precomputed:
     """Search the best shape for each number of stage units ``plan`` keeps after losing ``losses`` of them (a
-    device's unit, a node's units…), so that a fault needs no search."""
-    units = geometry_of(plan).units(plan.devices)
+    device's unit, a node's units…), and for the units it and the devices ``back`` (away now, likely to return)
+    make up, so that neither a fault nor a growth onto those devices needs a search."""
+    geometry = geometry_of(plan)
+    units = geometry.units(plan.devices)
+    sets = [units[:len(units) - lost] for lost in sorted(set(losses)) if lost < len(units)]
+    if back:
+        sets.append(geometry.units(set(plan.devices) | set(back)))
     shapes = {}
-    for lost in sorted(set(losses)):
-        left = len(units) - lost
-        if left >= 1:
-            try:
-                shapes[left] = planner.choose(units[:left], n_micro=plan.n_micro_batches,
-                                              micro_batch_size=plan.micro_batch_size)
-            except PlanError:
-                continue
+    for some in sets:
+        try:
+            shapes[len(some)] = planner.choose(some, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
+        except PlanError:
+            continue
     return Precomputed(shapes)

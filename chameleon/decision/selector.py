@@ -379,11 +379,11 @@ def replans(planner: Planner, units: list[tuple[int, ...]], *, n_micro: int, mic
     return out + [(plan, 0.0) for plan in measured.plans_on({d for unit in units for d in unit})]
 
 
-def precompute_replans(plan: Plan, planner: Planner, losses) -> Precomputed:
-    """:func:`~chameleon.decision.planner.precompute`, and the searches :func:`replans` adds after those losses on
-    up to :data:`IDLE_UNITS` units (the best on fewer units, the best of two pipelines or more), so the planner
-    holds them cached and the likely next fault needs no search."""
-    ahead = precompute(plan, planner, losses)
+def precompute_replans(plan: Plan, planner: Planner, losses, back: Collection[int] = ()) -> Precomputed:
+    """:func:`~chameleon.decision.planner.precompute` (after ``losses``, and with the devices ``back``), and the
+    searches :func:`replans` adds on up to :data:`IDLE_UNITS` units (the best on fewer units, the best of two
+    pipelines or more), so the planner holds them cached and the likely next fault or growth needs no search."""
+    ahead = precompute(plan, planner, losses, back)
     for left in ahead.shapes:
         if left <= IDLE_UNITS:
             for k in range(1, min(IDLE_OPTIONS, left - 1) + 1):

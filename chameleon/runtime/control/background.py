@@ -3,10 +3,13 @@ a reshape, a recovery's decision)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Collection
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
+from chameleon.decision.profiler import Profile
+from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Plan
 from chameleon.layout.relayout import Manifest
 from chameleon.runtime.protocol.messages import Parcels
@@ -25,6 +28,18 @@ class Search:
     def stands(self, resident: Plan) -> bool:
         """Whether it was searched for ``resident`` and has finished."""
         return self.resident is resident and self.future.done()
+
+
+def placed_ahead(precomputed: Future | None, resident: Plan, devices: Collection[int], profile: Profile) -> Plan | None:
+    """The shape the precompute for ``resident`` searched for as many stage units as ``devices`` make up, filled with
+    them and placed; None when it searched none for that many (or failed: a missing one). Called in a planning
+    thread: it waits for the precompute if that is still under way."""
+    if precomputed is None:
+        return None
+    units = geometry_of(resident).units(devices)
+    with contextlib.suppress(Exception):
+        return precomputed.result().plan_for(units, resident, profile)
+    return None
 
 
 def parcelled(decide: Callable, parcel: Callable[[Manifest], Parcels], /, *args,

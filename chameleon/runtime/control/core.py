@@ -60,7 +60,7 @@ from chameleon.runtime.control.events import (
     Tick,
     Validated,
 )
-from chameleon.runtime.control.growth import Grower
+from chameleon.runtime.control.growth import Grower, grow
 from chameleon.runtime.control.ledger import CheckpointComplete, CommitStep, Evaluation, Ledger
 from chameleon.runtime.control.membership import Lifecycle, Membership
 from chameleon.runtime.control.notices import (
@@ -471,9 +471,10 @@ class Core:
         self.resident = self.spec.plan
         self.resident_times = self.ran.setdefault(plan_shape(self.resident), (self.resident, []))[1]
         self.reshape.resident(self.profile, self.resident)
-        if self.policy.precompute:  # the likely next faults need no search (the planner runs meanwhile)
+        if self.policy.precompute:  # the likely next faults and growth need no search (the planner runs meanwhile)
+            away = set(range(self.world)) - set(self.resident.devices)
             self.precomputed.submit(self.resident, None, precompute_replans, self.resident, self.planner_,
-                                    self._likely_losses())
+                                    self._likely_losses(), away)
         now = self.clock.wall()
         self.last_commit = self.clock.mono()
         self.watchdog.progressed(self.last_commit)
@@ -692,6 +693,12 @@ class Core:
         search = self.precomputed.search
         return search.future if search is not None and search.stands(self.resident) else None
 
+    def _ahead(self) -> Future | None:
+        """The precompute for the resident plan, finished or not (for a decision in the planner's thread, which runs
+        it first)."""
+        search = self.precomputed.search
+        return search.future if search is not None and search.resident is self.resident else None
+
     def _fence(self, devices: set[int]) -> None:
         """Make sure lost devices are dead: SIGKILL through their agents, where those can be reached."""
         for device in devices:
@@ -750,7 +757,8 @@ class Core:
         """Returned devices: decide in the planner's thread whether growing onto them pays."""
         if self._settled():
             self.growth.consider(self.membership.standby, restarting=bool(self.membership.of(Lifecycle.restarting)),
-                                 now=self.clock.wall(), resident=self.resident, decide=self.coordinator.grow,
+                                 now=self.clock.wall(), resident=self.resident,
+                                 decide=partial(grow, self.coordinator, self._ahead()),
                                  parcel=self._parcel(),
                                  context=lambda: {**self._context(), "measured": self._measured()})
 

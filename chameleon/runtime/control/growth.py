@@ -4,19 +4,29 @@ switches at the next step boundary, and its timeline closes at the first commit 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 
-from chameleon.decision.coordinator import Transition
+from chameleon.decision.coordinator import Coordinator, Transition
 from chameleon.decision.selector import Decision
 from chameleon.layout.plan import Plan
 from chameleon.report.breakdown import Span
-from chameleon.runtime.control.background import Background, parcelled
+from chameleon.runtime.control.background import Background, parcelled, placed_ahead
 from chameleon.runtime.control.events import Record
 from chameleon.runtime.control.notices import GrowingBack, Grew, GrowthDeclined
 from chameleon.runtime.control.timelines import Growth
 from chameleon.runtime.protocol.messages import Parcels
 
 GROW_SETTLE_S = 0.5  # wait for more returning devices this long after the last one
+
+
+def grow(coordinator: Coordinator, precomputed: Future | None, resident: Plan, /, *, joining: set[int],
+         alive: set[int], **kwargs) -> Transition | Decision:
+    """:meth:`Coordinator.grow`, in the planner's thread, from the precomputed shape over every stage unit with the
+    devices back, placed (``precomputed``: the precompute for ``resident``, if any, finished or not: it runs in the
+    same thread, before)."""
+    devices = set(resident.devices) | joining | alive
+    placed = placed_ahead(precomputed, resident, devices, coordinator.profile)
+    return coordinator.grow(resident, joining=joining, alive=alive, precomputed=placed, **kwargs)
 
 
 class Grower:

@@ -4,16 +4,14 @@ and its pace once steady."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
 
 from chameleon.decision.coordinator import Coordinator, NoRecovery, SavedState, Transition
-from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Plan
 from chameleon.report.breakdown import Span
-from chameleon.runtime.control.background import Background, parcelled
+from chameleon.runtime.control.background import Background, parcelled, placed_ahead
 from chameleon.runtime.control.events import Record
 from chameleon.runtime.control.notices import Recovered, RecoveryDecided
 from chameleon.runtime.control.timelines import Recovery
@@ -45,12 +43,8 @@ class Loss:
 def recover(coordinator: Coordinator, precomputed: Future | None, resident: Plan, /, *, alive: set[int],
             **kwargs) -> Transition:
     """:meth:`Coordinator.recover`, in the decision thread, from the precomputed shape for what survives, placed
-    (``precomputed``: the finished precompute for ``resident``, if any; one that fails is a missing one)."""
-    placed = None
-    if precomputed is not None:
-        units = geometry_of(resident).units(alive)  # the units the selector re-plans onto
-        with contextlib.suppress(Exception):  # a failed precompute is a missing one
-            placed = precomputed.result().plan_for(units, resident, coordinator.profile)
+    (``precomputed``: the finished precompute for ``resident``, if any)."""
+    placed = placed_ahead(precomputed, resident, alive, coordinator.profile)
     return coordinator.recover(resident, alive=alive, precomputed=placed, **kwargs)
 
 
