@@ -392,11 +392,6 @@ def validate(cfg: DictConfig) -> Plan:
     check(ft.stall_timeout_s is None or ft.stall_timeout_s > 0, f"ft.stall_timeout_s={ft.stall_timeout_s}: null or > 0")
     check(cfg.ckpt.interval >= 0, f"ckpt.interval={cfg.ckpt.interval}: use 0 (off) or a positive step count")
     check(cfg.ckpt.keep >= 1, f"ckpt.keep={cfg.ckpt.keep}: keep at least 1 checkpoint")
-    cluster = cfg.cluster
-    for key in ("context_gb", "communicator_gb"):
-        check(cluster[key] >= 0, f"cluster.{key}={cluster[key]}: use ≥ 0 GB (what a device holds besides the plan)")
-    check(0 <= cluster.allocator_reserve < 1,
-          f"cluster.allocator_reserve={cluster.allocator_reserve}: a fraction of the peak, in [0, 1)")
     return plan
 
 

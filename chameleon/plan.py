@@ -21,7 +21,7 @@ from chameleon.config import CONF_DIR, ConfigError, build_plan, model_config, re
 from chameleon.decision.config import ClusterConfig, PlanQueryConfig, PolicyConfig
 from chameleon.decision.estimator import estimate_step, memory_per_device
 from chameleon.decision.planner import Planner
-from chameleon.decision.profiler import load_profile
+from chameleon.decision.profiler import device_overheads, load_profile
 from chameleon.decision.selector import decide
 
 USAGE = """
@@ -48,6 +48,7 @@ def check(cfg: DictConfig) -> None:
     """
     query = typed(cfg, "plan", PlanQueryConfig)
     policy = typed(cfg, "policy", PolicyConfig)
+    device_overheads(typed(cfg, "cluster", ClusterConfig))  # raises ValueError naming a key out of range
     devices = build_plan(cfg).devices
     failed = list(query.failed)
     if not failed:

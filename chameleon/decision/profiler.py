@@ -520,7 +520,16 @@ def _configured(cluster: ClusterConfig) -> dict:
 
 def device_overheads(cluster: ClusterConfig) -> DeviceOverheads:
     """What ``cluster.context_gb``, ``communicator_gb`` and ``allocator_reserve`` say a device holds besides a plan's
-    tensors."""
+    tensors.
+
+    Raises:
+        ValueError: naming a key out of range.
+    """
+    for key in ("context_gb", "communicator_gb"):
+        if getattr(cluster, key) < 0:
+            raise ValueError(f"cluster.{key}={getattr(cluster, key)}: use ≥ 0 GB (what a device holds besides the plan)")
+    if not 0 <= cluster.allocator_reserve < 1:
+        raise ValueError(f"cluster.allocator_reserve={cluster.allocator_reserve}: a fraction of the peak, in [0, 1)")
     return DeviceOverheads(cluster.context_gb * 1e9, cluster.communicator_gb * 1e9, cluster.allocator_reserve)
 
 
