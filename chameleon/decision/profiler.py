@@ -647,11 +647,18 @@ def measure_background(cores: int, *, seconds: float = 0.5) -> float:
     return max(0.0, cores / max(share, 1e-3) - cores)
 
 
-def _commit_round_trip(rank: int, port: int, *, reps: int) -> list[float]:
-    """Rank 1 (a worker) sets ``synced/i``; rank 0 (the controller) waits for it and sets ``commit/i``."""
+def _commit_round_trip(rank: int, *, reps: int) -> list[float]:
+    """Rank 1 (a worker) sets ``synced/i``; rank 0 (the controller) waits for it and sets ``commit/i``. Every rank of
+    the default group calls it: rank 0's store takes a port the system picks and tells it (a port picked ahead could
+    be taken meanwhile by a gloo connection's)."""
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False) if rank == 0 else None
+    port = [store.port if store is not None else 0]
+    dist.broadcast_object_list(port, src=0)
+    if rank > 1:
+        return []
+    store = store or dist.TCPStore("127.0.0.1", port[0], 2, False)
     times = []
     for i in range(reps):
         if rank == 0:
@@ -698,13 +705,13 @@ def measure_comm(*, n_procs: int = 3, small: int = 1 << 10, large: int = 1 << 22
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "comm.json"
         mp.start_processes(
-            _comm_worker, args=(n_procs, _free_port(), _free_port(), small, large, str(out)), nprocs=n_procs,
+            _comm_worker, args=(n_procs, _free_port(), small, large, str(out)), nprocs=n_procs,
             start_method="spawn",
         )
         return json.loads(out.read_text())
 
 
-def _comm_worker(rank: int, world: int, port: int, store_port: int, small: int, large: int, out: str) -> None:
+def _comm_worker(rank: int, world: int, port: int, small: int, large: int, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -738,7 +745,7 @@ def _comm_worker(rank: int, world: int, port: int, store_port: int, small: int, 
                 for _ in range(reps):
                     dist.all_reduce(buf, group=group)
             fits.append((n, nbytes, (time.perf_counter() - start) / reps))
-    commit = _commit_round_trip(rank, store_port, reps=20) if rank < 2 else []
+    commit = _commit_round_trip(rank, reps=20)
     dist.barrier()
     if rank == 1:
         Path(out + ".commit").write_text(json.dumps(statistics.median(commit)))
