@@ -374,7 +374,6 @@ def validate(cfg: DictConfig) -> Plan:
         f"parallel.pipelines use {len(plan.devices)} devices but {_world_text(launcher)}: "
         f"set {_world_fix(launcher, len(plan.devices))}",
     )
-    _check_backend(cfg, plan)
     try:
         planned_faults(cfg.failure, world=n_devices, nnodes=launcher.nnodes)
     except ValueError as err:
@@ -485,22 +484,11 @@ def _check_training_keys(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from None
 
 
-def pipelines_allowed(launcher) -> bool:
-    """True when the launch's backend may carry pipelines (gloo). 1F1B's exchanges are batched for NCCL and
-    HCCL, but they ignore tags and have not run a pipeline on a device yet, so their plans — a recovery's too —
-    keep one stage per pipeline (docs/accelerators.md)."""
+def tags_honoured(launcher) -> bool:
+    """True when the workers' backend matches point-to-point messages by tag and buffers sends (gloo). NCCL and HCCL
+    do neither: a plan with reroutes runs there only if :func:`~chameleon.layout.rendezvous.rendezvous_fault` finds
+    its traffic safe (a plan without reroutes, as every launch plan, always is: docs/accelerators.md)."""
     return launcher.device == Device.cpu or launcher.backend == Backend.gloo
-
-
-def _check_backend(cfg: DictConfig, plan: Plan) -> None:
-    """``launcher.backend`` against the device, the workers and the plan (after the device was found)."""
-    backend, device = cfg.launcher.backend, cfg.launcher.device
-    if pipelines_allowed(cfg.launcher):
-        return
-    check(max(p.n_stages for p in plan.pipelines) == 1,
-           f"launcher.device={device} pipelines stages over {backend or 'its default backend'}, which ignores tags "
-           "and has not run Chameleon's 1F1B on a device yet: set launcher.backend=gloo, or use data and tensor "
-           "parallelism (parallel.pp=1)")
 
 
 def check(ok: bool, message: str) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from chameleon.config import CONF_DIR, build_plan, pipelines_allowed, register_configs, to_config
+from chameleon.config import CONF_DIR, build_plan, register_configs, tags_honoured, to_config
 from chameleon.decision.coordinator import Transition
 from chameleon.decision.profiler import load_profile
 from chameleon.faults.spec import FaultSpec
@@ -534,17 +534,18 @@ def test_a_growth_onto_devices_back_is_decided_from_the_precomputed_plans():
     assert [set(p._searched) for p in planners] == searched, "a growth onto the devices away needs no search"
 
 
-@pytest.mark.parametrize(("device", "backend", "lengths"), [("cpu", None, (1, 2, 3, 4)), ("cuda", "gloo", (1, 2, 3, 4)),
-                                                           ("cuda", None, (1,)), ("npu", None, (1,))])
-def test_recovery_plans_pipeline_only_over_a_backend_that_can(device, backend, lengths):
-    """NCCL and HCCL ignore tags and have not run our 1F1B on a device yet: no re-plan may pipeline."""
+@pytest.mark.parametrize(("device", "backend", "tagless"), [("cpu", None, False), ("cuda", "gloo", False),
+                                                           ("cuda", None, True), ("npu", None, True)])
+def test_recovery_plans_pipeline_on_every_backend_and_only_safely_without_tags(device, backend, tagless):
+    """NCCL and HCCL ignore tags: re-plans may pipeline there, but the coordinator refuses plans whose traffic would
+    mismatch or deadlock without tags (tests/test_rendezvous.py)."""
     cfg, plan = config("parallel.dp=4", "parallel.pp=1")
     cfg.launcher.device, cfg.launcher.backend = device, backend  # as validated on a host with that device
     profile = load_profile(cfg.model, cfg.cluster, micro_batch=2, seq_len=cfg.train.seq_len, tp=1)
     core = Core(cfg, plan=plan, profile=profile, run_dir="/run", store_port=1234, ckpt_root=Path("/run/ckpt"),
                 saved=None, faults=[], fired=[], planner=Inline(), decider=Inline(), clock=FakeClock())
-    assert core.planner_.lengths == lengths
-    assert pipelines_allowed(cfg.launcher) == (lengths != (1,))
+    assert core.planner_.lengths == (1, 2, 3, 4)
+    assert core.coordinator.tagless == tagless == (not tags_honoured(cfg.launcher))
 
 
 NAN = float("nan")

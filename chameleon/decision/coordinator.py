@@ -82,10 +82,11 @@ class Coordinator:
     """Turns faults and re-joins into generations (see the module doc)."""
 
     def __init__(self, *, model: ModelConfig, profile: Profile, planner: Planner, policy: PolicyConfig,
-                 checkpoint_steps: int = 0, domains: tuple[tuple[int, ...], ...] | None = None):
+                 checkpoint_steps: int = 0, domains: tuple[tuple[int, ...], ...] | None = None, tagless: bool = False):
         """``checkpoint_steps``: committed steps between checkpoints (0: none); ``domains``: devices that fail
-        together (a node's), None when devices fail alone. Both price the next fault in each decision."""
-        self.profile, self.planner, self.policy = profile, planner, policy
+        together (a node's), None when devices fail alone. Both price the next fault in each decision.
+        ``tagless``: the workers' backend ignores tags (NCCL, HCCL); plans unsafe there are never chosen."""
+        self.profile, self.planner, self.policy, self.tagless = profile, planner, policy, tagless
         self.checkpoint_steps, self.domains = checkpoint_steps, domains
         self.model, self.spec = model, spec_of(model)
         self.tp_sizes = model.tp_sizes  # what a re-formed TP group may be
@@ -138,7 +139,8 @@ class Coordinator:
         decision = decide(
             self.profile, resident, failed, policy=self.policy, planner=self._bounded(), precomputed=precomputed,
             fault_times=fault_times, elapsed_s=elapsed_s, idle=alive - set(resident.devices),
-            measured=measured, tp_sizes=self.tp_sizes, speeds=speeds, **self._fallback(resident, saved, now),
+            measured=measured, tp_sizes=self.tp_sizes, speeds=speeds, tagless=self.tagless,
+            **self._fallback(resident, saved, now),
         )
         chosen = decision.chosen
         if chosen is None:
@@ -190,7 +192,7 @@ class Coordinator:
         decision = decide_slow(self.profile, resident, speeds, policy=self.policy, planner=self._bounded(),
                                horizon_s=horizon_s, scale=step_s / estimate if estimate > 0 else 1.0,
                                idle=alive - set(resident.devices), fault_times=fault_times, elapsed_s=elapsed_s,
-                               **self._fallback(resident, saved, now))
+                               tagless=self.tagless, **self._fallback(resident, saved, now))
         if decision.choice == "tolerate":
             return decision
         plan = decision.chosen.plan

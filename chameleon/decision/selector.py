@@ -37,6 +37,7 @@ from chameleon.decision.planner import Planner, Precomputed, precompute
 from chameleon.decision.profiler import Profile
 from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Reroute, Stage, split_layers, validate_plan
+from chameleon.layout.rendezvous import rendezvous_fault
 
 
 @dataclass(frozen=True)
@@ -320,9 +321,13 @@ IDLE_UNITS = 256  # ... on clusters of at most this many: beyond, a unit is unde
 
 
 def _finish(name: str, profile: Profile, plan: Plan, parts: dict[str, float], *, global_batch: int, d_s: float, slots: str,
-            fallback: Fallback, measured: Measured, speeds: est.Speeds = est.EVEN) -> Candidate:
+            fallback: Fallback, measured: Measured, speeds: est.Speeds = est.EVEN, tagless: bool = False) -> Candidate:
     """The candidate of moving to ``plan`` (recomputing where its memory needs it) after ``parts``, scored; infeasible
-    where it does not fit even so, or its transition outlasts ``D``."""
+    where it does not fit even so, or its transition outlasts ``D``, or — on a ``tagless`` backend (NCCL, HCCL) — its
+    reroutes would mismatch or deadlock point-to-point messages (a plan without reroutes never does)."""
+    unsafe = rendezvous_fault(plan) if tagless and plan.reroutes else None
+    if unsafe:
+        return Candidate(name, False, f"not on this backend: {unsafe}", plan)
     plan = est.recomputed_to_fit(profile, plan)
     t_step = measured.step_s(plan, est.estimate_step(profile, plan, reroute_slots=slots, speeds=speeds).t_step)
     peak = max(est.memory_per_device(profile, plan).values())
@@ -408,6 +413,7 @@ def candidates(
     measured: Measured = Measured(),
     tp_sizes: Collection[int] = (),
     speeds: est.Speeds = est.EVEN,
+    tagless: bool = False,
 ) -> list[Candidate]:
     """Every recovery candidate for ``failed`` devices of ``plan``, feasible or not (with why).
 
@@ -419,13 +425,14 @@ def candidates(
     stages, regrouped into units (:meth:`~chameleon.layout.geometry.Geometry.units`).
     ``measured``: step times measured in this run. ``tp_sizes``: the TP sizes the model allows; given, broken TP
     groups may be re-formed at a smaller one (``reform``). ``speeds``: devices known to be slow (every plan is
-    estimated at their pace).
+    estimated at their pace). ``tagless``: the backend ignores tags and buffers no send (NCCL, HCCL): a plan whose
+    point-to-point traffic would mismatch or deadlock there is infeasible (:mod:`chameleon.layout.rendezvous`).
     """
     fallback = replace(fallback or Fallback(), checkpoint_age_s=checkpoint_age_s, in_process=in_process)
     geometry = geometry_of(plan)
     lost = geometry.lost(failed)
     common = dict(global_batch=plan.global_batch, d_s=d_s, slots=slots, fallback=fallback, measured=measured,
-                  speeds=speeds)
+                  speeds=speeds, tagless=tagless)
     units = geometry.units((set(plan.devices) - set(failed)) | set(idle))
     options = (lambda: replans(planner, units, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size,
                                previous=plan, precomputed=precomputed, domains=fallback.domains,
@@ -512,6 +519,7 @@ def decide(
     measured: Measured = Measured(),
     tp_sizes: Collection[int] = (),
     speeds: est.Speeds = est.EVEN,
+    tagless: bool = False,
 ) -> Decision:
     """Weigh every candidate by Eq. 8 and the next fault's cost, and choose; a forced ``policy.name`` restricts the choice.
 
@@ -528,7 +536,7 @@ def decide(
     cands = candidates(
         profile, plan, failed, planner=planner, d_s=d_s, slots=policy.reroute_slots,
         checkpoint_age_s=checkpoint_age_s, precomputed=precomputed, in_process=in_process, fallback=fallback,
-        idle=idle, measured=measured, tp_sizes=tp_sizes, speeds=speeds,
+        idle=idle, measured=measured, tp_sizes=tp_sizes, speeds=speeds, tagless=tagless,
     )
     feasible = [c for c in cands if c.feasible]
     note = ""
@@ -600,6 +608,7 @@ def decide_slow(
     checkpoint_interval_s: float | None = None,
     domains: tuple[tuple[int, ...], ...] | None = None,
     in_process: bool = False,
+    tagless: bool = False,
 ) -> Decision:
     """How to train on with slow devices (``speeds``; empty: every device is back to speed), by Eq. 8.
 
@@ -615,7 +624,7 @@ def decide_slow(
     horizon = min(d_s, horizon_s) if speeds else d_s
     fallback = Fallback(checkpoint_age_s, checkpoint_interval_s, elapsed_s, domains, in_process)
     common = dict(global_batch=plan.global_batch, d_s=horizon, slots=policy.reroute_slots, fallback=fallback,
-                  measured=Measured(scale=scale), speeds=speeds)
+                  measured=Measured(scale=scale), speeds=speeds, tagless=tagless)
     units = geometry_of(plan).units(set(plan.devices) | set(idle))
 
     def rebalance() -> Candidate:

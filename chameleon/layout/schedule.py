@@ -11,8 +11,12 @@ order, by simulating the step: every device's merged order is then a sub-order
 of one global topological order of the step's dependency graph, so with
 non-blocking sends no device can wait on another in a cycle.
 
-The runtime executes these lists (:mod:`chameleon.runtime.worker.schedule`) and the
-estimator times them, so both follow one order.
+:func:`exchanges` gives the point-to-point traffic of a device's list: what each
+action receives before it computes and sends after, tagged per (pipeline,
+sending stage, direction). The runtime executes these lists and exchanges
+(:mod:`chameleon.runtime.worker.schedule`), the estimator times the lists, and
+:mod:`chameleon.layout.rendezvous` checks the exchanges against NCCL's rules, so
+all three follow one order.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from chameleon.layout.plan import Plan
 
 FORWARD_COST, BACKWARD_COST = 1, 2  # relative durations used to merge queues
+MAX_STAGES = 1 << 12
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,53 @@ def one_f_one_b(*, pipeline: int, stage: int, n_stages: int, n_micro: int) -> li
         actions.append(Action("B", pipeline, stage, i))
     actions.extend(Action("B", pipeline, stage, i) for i in range(n_micro - warmup, n_micro))
     return actions
+
+
+@dataclass(frozen=True)
+class Link:
+    """One message of a step: the device at the other end, and the message's tag."""
+
+    peer: int
+    tag: int
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One action's point-to-point traffic on one device: what it receives before it computes (activations for a
+    forward, the gradient for a backward) and what it sends after. A ``held`` send goes to the very device the
+    next action receives from, and is posted with that receive as one batch: 1F1B's steady state, activations out
+    and gradients back over one pair at once, which NCCL needs in one group call."""
+
+    receive: Link | None
+    send: Link | None
+    held: bool = False
+
+
+def message_tag(pipeline: int, sender_stage: int, backward: bool) -> int:
+    """The tag of activations (forward) or gradients (backward) a stage of a pipeline sends."""
+    return (pipeline * MAX_STAGES + sender_stage) * 2 + int(backward)
+
+
+def exchanges(plan: Plan, actions: list[Action], me: int) -> list[Exchange]:
+    """The traffic of each of device ``me``'s ``actions``, in order; a stage's TP rank talks to the same rank of the
+    stage before and after it."""
+    traffic = []
+    for action in actions:
+        p, s, i = action.pipeline, action.stage, action.micro
+        rank = executors(plan, p, s, i).index(me)
+        first, last = s == 0, s == plan.pipelines[p].n_stages - 1
+        above = None if first else executors(plan, p, s - 1, i)[rank]
+        below = None if last else executors(plan, p, s + 1, i)[rank]
+        if action.kind == "F":
+            receive = None if first else Link(above, message_tag(p, s - 1, False))
+            send = None if last else Link(below, message_tag(p, s, False))
+        else:
+            receive = None if last else Link(below, message_tag(p, s + 1, True))
+            send = None if first else Link(above, message_tag(p, s, True))
+        traffic.append((receive, send))
+    receives_next = [r for r, _ in traffic[1:]] + [None]
+    return [Exchange(receive, send, held=send is not None and after is not None and after.peer == send.peer)
+            for (receive, send), after in zip(traffic, receives_next)]
 
 
 def executors(plan: Plan, pipeline: int, stage: int, micro: int) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from chameleon.config import Config, OnCorrupt, pipelines_allowed
+from chameleon.config import Config, OnCorrupt, tags_honoured
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.coordinator import Coordinator, SavedState, Transition
 from chameleon.decision.measured import Measured, plan_shape
@@ -224,12 +224,12 @@ class Core:
         if profile.host_cores:
             profile = replace(profile, n_devices=self.world, devices_per_node=devices_per_host)
         self.profile = profile
-        lengths = tuple(self.policy.pp_lengths) if pipelines_allowed(self.launcher) else (1,)
-        self.planner_ = Planner(profile, dp_degrees=tuple(self.policy.dp_degrees), pp_lengths=lengths)
+        self.planner_ = Planner(profile, dp_degrees=tuple(self.policy.dp_degrees), pp_lengths=tuple(self.policy.pp_lengths))
         nodes = self.launcher.nnodes
         domains = tuple(self.topology.devices_of(n) for n in range(nodes)) if nodes > 1 else None
         self.coordinator = Coordinator(model=self.config.model, profile=profile, planner=self.planner_,
-                                       policy=self.policy, checkpoint_steps=self.config.ckpt.interval, domains=domains)
+                                       policy=self.policy, checkpoint_steps=self.config.ckpt.interval, domains=domains,
+                                       tagless=not tags_honoured(self.launcher))
 
     # ----- the loop's entry ---------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """The executor that runs one step of a plan's 1F1B action lists (:mod:`chameleon.layout.schedule`).
 
-Messages carry a tag per (pipeline, sending stage, direction), so a pair of
-devices exchanging several kinds of traffic can never mismatch them. A send to
-the device received from next goes with that receive as one batch (:class:`_Links`).
+Each action's sends and receives are those :func:`~chameleon.layout.schedule.exchanges`
+plans: tagged per (pipeline, sending stage, direction), and a send to the device
+received from next posted with that receive as one batch (:class:`_Links`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from chameleon.config import TrainConfig
 from chameleon.data.stream import SampleStream, micro_batch_samples
 from chameleon.layout.colouring import SyncGroup
 from chameleon.layout.plan import Plan, micro_batch_ranges
-from chameleon.layout.schedule import Action, executors
+from chameleon.layout.schedule import Action, Exchange, Link, exchanges, executors
 from chameleon.layout.spec import Region, local_slices
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import TensorParallelOps, spec_of
@@ -29,12 +29,6 @@ from chameleon.runtime.worker.device import compute_clock
 from chameleon.runtime.worker.stage import StageState
 
 SyncRounds = tuple[tuple[SyncGroup, ...], ...]
-MAX_STAGES = 1 << 12
-
-
-def message_tag(pipeline: int, sender_stage: int, backward: bool) -> int:
-    """The tag of activations (forward) or gradients (backward) a stage of a pipeline sends."""
-    return (pipeline * MAX_STAGES + sender_stage) * 2 + int(backward)
 
 
 @dataclass
@@ -102,46 +96,34 @@ def stage_forward(model: ModelConfig, *, compiled: bool) -> Callable[..., torch.
 
 
 class _Links:
-    """This device's point-to-point traffic in a step. A send to the very device it receives from next is held and
-    posted with that receive as one batch — 1F1B's steady state, activations out and gradients back over one pair
-    at once, which NCCL needs in one group call (:meth:`Generation.post_batch`) — and every other send at once."""
+    """This device's point-to-point traffic in a step, as its :class:`~chameleon.layout.schedule.Exchange`\ s plan
+    it: a held send goes with the next receive as one batch (:meth:`Generation.post_batch`), every other send at
+    once."""
 
     def __init__(self, gen: Generation):
         self.gen = gen
-        self.held: tuple[int, torch.Tensor, int] | None = None  # (peer, tensor, tag)
+        self.held: tuple[torch.Tensor, Link] | None = None
         self.sends: list[dist.Work] = []
 
-    def send(self, tensor: torch.Tensor, peer: int, *, tag: int, next_from: int | None) -> None:
-        """Send ``tensor`` to ``peer``; held when ``peer`` is the device this one receives from next."""
-        if peer == next_from:
-            self.held = (peer, tensor, tag)
+    def send(self, tensor: torch.Tensor, exchange: Exchange) -> None:
+        """Send ``tensor`` as ``exchange`` says: now, or held for the next receive."""
+        if exchange.held:
+            self.held = (tensor, exchange.send)
         else:
-            self.sends.append(self.gen.send(tensor, peer, tag=tag))
+            self.sends.append(self.gen.send(tensor, exchange.send.peer, tag=exchange.send.tag))
 
-    def receive(self, buffer: torch.Tensor, peer: int, *, tag: int) -> None:
-        """Receive ``buffer`` from ``peer`` (with the send held for it, in one batch) and wait for it."""
+    def receive(self, buffer: torch.Tensor, link: Link) -> None:
+        """Receive ``buffer`` over ``link`` (with the send held for that peer, in one batch) and wait for it."""
         held, self.held = self.held, None
-        if held is not None and held[0] != peer:  # not what the next action was read to receive: on its own
-            self.sends.append(self.gen.send(held[1], held[0], tag=held[2]))
-            held = None
-        sends, receives = self.gen.post_batch(peer, sends=[(held[1], held[2])] if held else [], receives=[(buffer, tag)])
+        sends, receives = self.gen.post_batch(link.peer, sends=[(held[0], held[1].tag)] if held else [],
+                                              receives=[(buffer, link.tag)])
         self.sends += sends  # waited for at the end, as every send
-        self.gen.wait(*receives, peer=peer)
+        self.gen.wait(*receives, peer=link.peer)
 
     def finish(self) -> None:
         """Wait for every send posted (a held send is always followed by its receive)."""
         self.gen.wait(*self.sends)
         self.sends.clear()
-
-
-def _source(plan: Plan, action: Action, me: int) -> int | None:
-    """The device ``action`` receives from: the previous stage's executor of its micro-batch (a forward's
-    activations) or the next stage's (a backward's gradient); None for a first forward or a last backward."""
-    p, s, i = action.pipeline, action.stage, action.micro
-    t = executors(plan, p, s, i).index(me)
-    if action.kind == "F":
-        return executors(plan, p, s - 1, i)[t] if s > 0 else None
-    return executors(plan, p, s + 1, i)[t] if s < plan.pipelines[p].n_stages - 1 else None
 
 
 class _Forwards:
@@ -160,11 +142,10 @@ class _Forwards:
     def hidden(self) -> torch.Tensor:
         return torch.empty(self.hidden_shape, device=self.state.device, dtype=self.state.compute_dtype)
 
-    def __call__(self, action: Action, batch: int, *, next_from: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, range, bool]:
-        """``(input, output, sample ids, counts)`` of forward ``action`` of global batch ``batch``; the output is the
-        summed token loss on a last stage (``counts``: this device adds it up, the TP group's first). ``next_from``:
-        the device the next action receives from (:class:`_Links`)."""
+    def __call__(self, action: Action, exchange: Exchange, batch: int) -> tuple[torch.Tensor, torch.Tensor, range, bool]:
+        """``(input, output, sample ids, counts)`` of forward ``action`` of global batch ``batch``, with its traffic
+        ``exchange``; the output is the summed token loss on a last stage (``counts``: this device adds it up, the TP
+        group's first)."""
         plan, gen, p, s, i = self.plan, self.gen, action.pipeline, action.stage, action.micro
         pipe = plan.pipelines[p]
         first, last = s == 0, s == pipe.n_stages - 1
@@ -177,7 +158,7 @@ class _Forwards:
             x = tokens
         else:
             x = self.hidden()
-            self.links.receive(x, executors(plan, p, s - 1, i)[t], tag=message_tag(p, s - 1, False))
+            self.links.receive(x, exchange.receive)
             x.requires_grad_(torch.is_grad_enabled())
         with self.busy:
             out = stage_forward(self.model, compiled=self.train.compile)(
@@ -185,8 +166,7 @@ class _Forwards:
                 targets=targets if last else None, tp=self.tp, recompute=pipe.stages[s].recompute,
             )
         if not last:
-            self.links.send(out.detach().contiguous(), executors(plan, p, s + 1, i)[t], tag=message_tag(p, s, False),
-                            next_from=next_from)
+            self.links.send(out.detach().contiguous(), exchange)
         return x, out, ids, last and t == 0
 
 
@@ -231,13 +211,12 @@ def run_step(
     loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
     saved: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     try:
-        for k, action in enumerate(actions):
+        for k, (action, exchange) in enumerate(zip(actions, exchanges(plan, actions, gen.me))):
             p, s, i = action.pipeline, action.stage, action.micro
             if on_phase is not None:
                 on_phase("forward" if action.kind == "F" else "backward", step=step, detail=i)
-            next_from = _source(plan, actions[k + 1], gen.me) if k + 1 < len(actions) else None
             if action.kind == "F":
-                x, out, ids, counts = forward(action, step, next_from=next_from)
+                x, out, ids, counts = forward(action, exchange, step)
                 if s == plan.pipelines[p].n_stages - 1:
                     out = out * scale
                     if counts:
@@ -246,7 +225,6 @@ def run_step(
                 saved[(p, s, i)] = (x, out)
                 continue
             x, out = saved.pop((p, s, i))
-            t = executors(plan, p, s, i).index(gen.me)
             if k == last_backward:
                 sync.watch()
             if s == plan.pipelines[p].n_stages - 1:
@@ -254,12 +232,11 @@ def run_step(
                     out.backward()
             else:
                 grad = forward.hidden()
-                forward.links.receive(grad, executors(plan, p, s + 1, i)[t], tag=message_tag(p, s + 1, True))
+                forward.links.receive(grad, exchange.receive)
                 with busy:
                     out.backward(grad)
             if s > 0:
-                forward.links.send(x.grad.contiguous(), executors(plan, p, s - 1, i)[t], tag=message_tag(p, s, True),
-                                   next_from=next_from)
+                forward.links.send(x.grad.contiguous(), exchange)
     finally:
         sync.close()
     forward.links.finish()
@@ -301,13 +278,14 @@ def evaluate(
     forward = _Forwards(plan=plan, state=state, stream=stream, gen=gen, model=model, train=train, tp=tp,
                         busy=_Busy(pace, state.device))
     forwards = [a for a in actions if a.kind == "F"]
+    traffic = exchanges(plan, forwards, gen.me)
     total = torch.zeros((), dtype=torch.float64, device=state.device)
     with torch.no_grad():
         for batch in range(train.eval_batches):
             if on_phase is not None:
                 on_phase("eval", step=step, detail=batch)
-            for action in forwards:
-                _, out, _, counts = forward(action, batch)
+            for action, exchange in zip(forwards, traffic):
+                _, out, _, counts = forward(action, exchange, batch)
                 if counts:
                     total += out.double()
             forward.links.finish()
