@@ -11,12 +11,14 @@ blocked call stays blocked until the group's timeout (measured with torch 2.13).
   (one keeps gloo's event loop spinning); NCCL's and HCCL's are aborted (below). A generation left in good order (a growth's
   switch at a commit: every op of every group completed) hands its groups to the
   next, which keeps those whose members are unchanged.
-- Every blocking call — connecting the groups, ``Work.wait()`` of a collective or
-  point-to-point op — runs in a daemon thread while the main thread polls its
-  completion and the fault flag, which the node agent writes into the worker's
-  shared board (:mod:`chameleon.runtime.node.downlink`): polling it is a memory read,
-  never a network round trip. Gloo's point-to-point ``Work.is_completed()`` only
-  turns true inside ``wait()``, hence the thread rather than polling ``is_completed``.
+- No wait ignores faults. The fault flag is what the node agent writes into the worker's
+  shared board (:mod:`chameleon.runtime.node.downlink`): checking it is a memory read,
+  never a network round trip. A gloo collective is waited for on the main thread in
+  timed slices with a check between them (:class:`~chameleon.runtime.worker.completion.Collective`);
+  every other blocking call — connecting the groups, ``Work.wait()`` of a point-to-point
+  op — runs in a daemon thread while the main thread polls its completion and the
+  flag. Gloo's point-to-point ``Work.is_completed()`` only turns true inside ``wait()``,
+  and a timed-out wait closes its pair, hence the thread.
 - Only a real peer failure is a :class:`PeerFailure`: the generation was flagged by
   the controller. When a communication call fails first (a peer's process died and
   its connection closed), the worker waits up to ``confirm_s`` for the controller to
@@ -50,7 +52,7 @@ import torch.distributed as dist
 from chameleon.runtime.node.beacon import Beacon
 from chameleon.runtime.protocol.errors import DeviceFault
 from chameleon.runtime.protocol.position import GROUP, NOBODY
-from chameleon.runtime.worker.completion import abort, polls_completion, post_p2p, wait_polled
+from chameleon.runtime.worker.completion import Collective, abort, polls_completion, post_p2p, wait_polled
 
 POLL_INTERVAL_S = 0.002  # fault-flag checks (a shared-memory read) while waiting; completion wakes the wait at once
 ABANDONED: list[Generation] = []  # broken generations stay referenced: their destructors would block
@@ -287,21 +289,27 @@ class Generation:
             self._raise(pending.error, confirm=peer_errors)
         return pending.result
 
-    def wait(self, *works: dist.Work, peer: int = GROUP) -> None:
+    def wait(self, *works: dist.Work | Collective, peer: int = GROUP) -> None:
         """Wait for ``works`` (on ``peer``, for the beacon), raising :class:`PeerFailure` once a fault is flagged."""
         for work in works:
-            if not polls_completion(self.backend):
+            if isinstance(work, Collective):
+                self._wait_here(partial(work.wait, self.check, interval_s=POLL_INTERVAL_S), peer)
+            elif polls_completion(self.backend):
+                self._wait_here(partial(wait_polled, work, self.check, interval_s=POLL_INTERVAL_S), peer)
+            else:
                 self.call(work.wait, waiting_on=peer)
-                continue
+
+    def _wait_here(self, wait: Callable[[], None], peer: int) -> None:
+        """``wait()`` on this thread (it checks for faults itself), shown on the beacon as waiting on ``peer``."""
+        if self.beacon is not None:
+            self.beacon.waiting(peer)
+        try:
+            wait()
+        except RuntimeError as err:
+            self._raise(err, confirm=True)
+        finally:
             if self.beacon is not None:
-                self.beacon.waiting(peer)
-            try:
-                wait_polled(work, self.check, interval_s=POLL_INTERVAL_S)
-            except RuntimeError as err:
-                self._raise(err, confirm=True)
-            finally:
-                if self.beacon is not None:
-                    self.beacon.waiting(NOBODY)
+                self.beacon.waiting(NOBODY)
 
     def send(self, tensor: torch.Tensor, device: int, *, tag: int = 0) -> dist.Work:
         group, rank = self._pair(device)
@@ -346,9 +354,10 @@ class Generation:
         """In-place sum over ``members`` (device ids in any order, a declared group)."""
         self.wait(self.post_all_reduce(tensor, members))
 
-    def post_all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...]) -> dist.Work:
+    def post_all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...]) -> dist.Work | Collective:
         """Start :meth:`all_reduce`; :meth:`wait` for the work it returns."""
-        return self._post(self.group(tuple(sorted(members))).allreduce, [tensor])
+        work = self._post(self.group(tuple(sorted(members))).allreduce, [tensor])
+        return work if polls_completion(self.backend) else Collective(work)
 
     def _post(self, op: Callable[..., dist.Work], *args) -> dist.Work:
         """Issue an asynchronous op; posting to a connection a dead peer closed fails at once."""

@@ -1,9 +1,12 @@
 """What "done" means per communication backend, and how a broken accelerator communicator is left.
 
 - **gloo** (the CPU path): ``Work.wait()`` blocks the calling thread until the op is
-  complete, and a point-to-point op's ``is_completed()`` only turns true inside
-  ``wait()``; :class:`~chameleon.runtime.worker.comm.Generation` therefore runs ``wait()``
-  on a helper thread while it polls the fault flag. Gloo reads a point-to-point
+  complete. A collective's wait may be given a timeout and, timed out, waited for
+  again: :class:`Collective` waits on the calling thread in slices, checking the
+  fault flag between them (no thread handoff per TP all-reduce or gradient bucket).
+  A point-to-point op's ``is_completed()`` only turns true inside ``wait()``, and a
+  timed-out wait closes its pair, so :class:`~chameleon.runtime.worker.comm.Generation`
+  runs those waits on a helper thread while it polls the fault flag. Gloo reads a point-to-point
   tensor's memory as host memory, so a CUDA tensor (workers sharing one GPU over
   gloo) travels through a host copy (:func:`post_p2p`); its all-reduce takes CUDA
   tensors itself.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -65,6 +69,26 @@ def wait_polled(work: dist.Work, check: Callable[[], None], *, interval_s: float
             next_check = time.monotonic() + interval_s
         time.sleep(SPIN_S)
     work.wait()
+
+
+class Collective:
+    """A gloo collective's work, waited for on the calling thread in slices (see the module doc)."""
+
+    def __init__(self, work: dist.Work):
+        self.work = work
+
+    def wait(self, check: Callable[[], None], *, interval_s: float) -> None:
+        """Wait in slices of ``interval_s``, calling ``check`` (which raises on a fault) between them; the op's own
+        error is raised as is."""
+        while True:
+            try:
+                self.work.wait(timedelta(seconds=interval_s))
+                return
+            except RuntimeError:
+                if self.work.is_completed():  # failed, or done just after the slice ran out: raises or returns
+                    self.work.wait()
+                    return
+            check()
 
 
 def abort(groups: Iterable[dist.ProcessGroup]) -> None:
