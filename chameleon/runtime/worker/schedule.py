@@ -96,9 +96,9 @@ def stage_forward(model: ModelConfig, *, compiled: bool) -> Callable[..., torch.
 
 
 class _Links:
-    """This device's point-to-point traffic in a step, as its :class:`~chameleon.layout.schedule.Exchange`\ s plan
-    it: a held send goes with the next receive as one batch (:meth:`Generation.post_batch`), every other send at
-    once."""
+    """This device's point-to-point traffic in a step, as the step's exchanges
+    (:class:`~chameleon.layout.schedule.Exchange`) plan it: a held send goes with the next receive as one batch
+    (:meth:`Generation.post_batch`), every other send at once."""
 
     def __init__(self, gen: Generation):
         self.gen = gen
