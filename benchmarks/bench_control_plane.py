@@ -24,8 +24,10 @@ registration a restarted agent makes, lets the job grow back, and ends. Per size
 - ``commit_overhead_ms_p50/p99``: a commit's publication minus the slowest device's
   ``Synced`` (``metrics.jsonl``'s ``commit_s``; one host, one clock) over the window's
   steps; ``commit_delivered_ms_p99``: the last node's receipt of the commit minus the same;
-- ``controller_cpu_ms_per_step``: CPU time of the controller's process (every thread,
-  from ``/proc``'s schedstat) per step over the window;
+- ``controller_cpu_ms_per_step``: CPU time of the controller's process and of its planning
+  process (every thread, from ``/proc``'s schedstat) per step over the window;
+- ``controller_peak_gb``: the peak resident memory of the controller's process (this one,
+  node 0's agent in it; its peak is reset as each size starts) plus its planning process's;
 - ``store_ops_per_step``: store operations of the control plane per step (workers count
   theirs; the emulated ones, like the real ones, have none to make) and the store's key
   count before and after the run (server side: it must not move);
@@ -346,9 +348,10 @@ class _Node:
 
 
 def emulate(nodes: list[int], config: Config, port: int, step_s: float, window: int, victim: int, watch: int,
-            out: str) -> None:
+            planning: mp.Value, out: str) -> None:
     """Run ``nodes``' agents until the job ends (``window``: the measured steps after ``WARM``; ``victim``: the node
-    to lose and bring back; ``watch``: the controller's pid, whose CPU time the process of node 1 reads)."""
+    to lose and bring back; ``watch``: the controller's pid and ``planning`` its planning process's, whose CPU time
+    the process of node 1 reads)."""
     record = {"commits": {}, "publishes": [], "bytes": {}, "cpu": {}, "kill": None, "hello_back": None}
     gc.freeze()
     decode = _Decoded()
@@ -386,7 +389,7 @@ def emulate(nodes: list[int], config: Config, port: int, step_s: float, window: 
                         record["bytes"][str(step)] = sum(emulated[n].link.bytes_sent + emulated[n].link.bytes_received
                                                          for n in live)
                         if 1 in emulated:
-                            record["cpu"][str(step)] = _cpu_ns(watch)
+                            record["cpu"][str(step)] = _cpu_ns(watch) + _cpu_ns(planning.value)
                     if victim in emulated and step == kill_at and record["kill"] is None:
                         lost = emulated[victim]
                         selector.unregister(lost.link)
@@ -409,15 +412,39 @@ def emulate(nodes: list[int], config: Config, port: int, step_s: float, window: 
 
 
 def _cpu_ns(pid: int) -> int:
-    """CPU time of every thread of ``pid`` so far, in nanoseconds."""
+    """CPU time of every thread of ``pid`` so far, in nanoseconds (0 for a process that is gone)."""
     total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    tasks = []
+    with contextlib.suppress(OSError):
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    for task in tasks:
         with contextlib.suppress(OSError, ValueError):  # a thread that ended meanwhile
             total += int((task / "schedstat").read_text().split()[0])
     return total
 
 
 # ----- one size -----------------------------------------------------------------------------------
+
+
+def _peak_rss_gb(pid: int | str) -> float:
+    """The peak resident memory of ``pid`` (``self``: this process) so far, from ``/proc``; 0 once it is gone."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+class _PeakWatch(threading.Thread):
+    """Samples the planning process's peak memory while it lives (it ends with the controller)."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak_gb, self.stopped = pid, 0.0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(0.2):
+            self.peak_gb = max(self.peak_gb, _peak_rss_gb(self.pid))
 
 
 def _free_ports() -> int:
@@ -443,30 +470,37 @@ def run_size(devices: int, *, step_s: float, window: int) -> dict:
     remote = list(range(1, nodes))
     chunks = [remote[i:i + NODES_PER_PROCESS] for i in range(0, len(remote), NODES_PER_PROCESS)]
     ctx = mp.get_context("spawn")
+    planning = ctx.Value("i", 0)
+    Path("/proc/self/clear_refs").write_text("5")  # this process's peak memory counts from here
     with tempfile.TemporaryDirectory() as tmp:
         outs = [str(Path(tmp) / f"emulator{i}.json") for i in range(len(chunks))]
-        procs = [ctx.Process(target=emulate, args=(chunk, config, port + 1, step_s, window, victim, os.getpid(), out),
-                             daemon=True) for chunk, out in zip(chunks, outs)]
+        procs = [ctx.Process(target=emulate, args=(chunk, config, port + 1, step_s, window, victim, os.getpid(),
+                                                   planning, out), daemon=True) for chunk, out in zip(chunks, outs)]
         for p in procs:
             p.start()
         run_dir = Path(tmp) / "run"
         run_dir.mkdir()
         controller = Controller(config, plan=plan, run_dir=run_dir, secret=SECRET, local_pool=lambda agent: WokenPool(
             agent, step_s=step_s, steps=steps, seed=0))
+        planning.value = controller.planning.process.pid
+        watch = _PeakWatch(planning.value)
+        watch.start()
         keys_before = controller.store.num_keys()
         t0 = time.time()
         controller.run()
         wall = time.time() - t0
+        watch.stopped.set()
+        peak_gb = _peak_rss_gb("self") + watch.peak_gb
         keys_after = controller.store.num_keys()
         for p in procs:
             p.join(timeout=120)
         records = [json.loads(Path(out).read_text()) for out in outs]
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    return summarise(devices, nodes, step_s, window, records, metrics, events, keys_before, keys_after, wall)
+    return summarise(devices, nodes, step_s, window, records, metrics, events, keys_before, keys_after, wall, peak_gb)
 
 
-def summarise(devices, nodes, step_s, steps, records, metrics, events, keys_before, keys_after, wall) -> dict:
+def summarise(devices, nodes, step_s, steps, records, metrics, events, keys_before, keys_after, wall, peak_gb) -> dict:
     window = range(WARM, WARM + steps)
     by_step = {m["step"]: m for m in metrics if m["generation"] == 0}
     overhead = sorted(by_step[k]["commit_s"] * 1e3 for k in window)
@@ -496,6 +530,7 @@ def summarise(devices, nodes, step_s, steps, records, metrics, events, keys_befo
         "fault_choice": fault["decision"]["choice"],
         "rejoin_to_generation_s": (min(grown) - back) if grown else None,
         "growth": growth["chosen"] if growth else "declined",
+        "controller_peak_gb": peak_gb,
         "wall_s": wall,
     }
 
@@ -523,8 +558,9 @@ def main() -> None:
     if args.report and not Path(args.report).is_file():
         parser.error(f"--report {args.report}: no such file (write one with --json FILE)")
     print("| devices | nodes | commit overhead p50 / p99 (ms) | delivered p99 (ms) | controller CPU (ms/step) | "
-          "store ops/step | bytes/step | node lost → next generation (s) | decide (s) | re-join → grown (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "store ops/step | bytes/step | node lost → next generation (s) | decide (s) | re-join → grown (s) | "
+          "controller peak (GB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     if args.report:
         results = json.loads(Path(args.report).read_text())
         for r in results:
@@ -555,7 +591,12 @@ def _row(r: dict) -> str:
     rejoin = f"{r['rejoin_to_generation_s']:.3f}" if r["rejoin_to_generation_s"] is not None else r["growth"]
     return (f"| {r['devices']} | {r['nodes']} | {r['commit_overhead_ms_p50']:.2f} / {r['commit_overhead_ms_p99']:.2f} | "
             f"{r['commit_delivered_ms_p99']:.2f} | {r['controller_cpu_ms_per_step']:.1f} | {r['store_ops_per_step']:.0f} | "
-            f"{r['control_bytes_per_step']:.0f} | {r['fault_to_generation_s']:.3f} | {r['decide_s']:.3f} | {rejoin} |")
+            f"{r['control_bytes_per_step']:.0f} | {r['fault_to_generation_s']:.3f} | {r['decide_s']:.3f} | {rejoin} | "
+            f"{_gb(r.get('controller_peak_gb'))} |")
+
+
+def _gb(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
 
 
 def fit(results: list[dict], key: str) -> tuple[float, float]:

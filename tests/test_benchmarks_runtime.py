@@ -21,6 +21,7 @@ def test_chaos_quick():
     ("bench_step.py", ["--layouts", "2x1x2", "--n-layers", "4", "--dim", "64", "--rounds", "1", "--warmup", "1",
                        "--steps", "2"], "ratio = Chameleon's tokens/s"),
     ("bench_sync.py", ["--plans", "2+3", "--dims", "64", "--rounds", "1", "--warmup", "1", "--iters", "2"], "round"),
+    ("bench_wait.py", ["--rounds", "1", "--iters", "5"], "handoff ÷ sliced"),
     ("bench_planner.py", ["--scales", "32"], "32"),
     ("bench_decision.py", ["--devices", "48"], "| 48 |"),
     ("bench_estimator.py", ["--plans", "dp2", "--steps", "3"], "dp2"),

@@ -20,7 +20,6 @@ import os
 import selectors
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -63,6 +62,7 @@ from chameleon.runtime.control.events import (
     Validated,
 )
 from chameleon.runtime.control.notices import Notice
+from chameleon.runtime.control.offload import InChild
 from chameleon.runtime.control.recorder import Recorder
 from chameleon.runtime.node.agent import Agent
 from chameleon.runtime.node.launch import host_identity
@@ -77,29 +77,6 @@ REAP_S = 30.0
 FIRED_FILE = "faults_fired.json"
 
 
-class Decider(ThreadPoolExecutor):
-    """The recovery decisions' thread, apart from the planner's (a long precompute never delays one). A decision
-    that finishes wakes the loop at once: a byte on a pipe the loop selects on (``woken``)."""
-
-    def __init__(self):
-        super().__init__(max_workers=1, thread_name_prefix="chameleon-decider")
-        self.woken, self._wake = os.pipe()
-        os.set_blocking(self.woken, False)
-
-    def submit(self, fn, /, *args, **kwargs):
-        future = super().submit(fn, *args, **kwargs)
-        future.add_done_callback(lambda _: os.write(self._wake, b"\0"))
-        return future
-
-    def drain(self) -> None:
-        os.read(self.woken, 4096)
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        super().shutdown(wait, cancel_futures=cancel_futures)
-        os.close(self.woken)
-        os.close(self._wake)
-
-
 class Controller:
     """Runs one training job over its nodes: workers, commits, fault detection, recovery, re-joins.
 
@@ -109,9 +86,20 @@ class Controller:
         run_dir: where every output goes.
         secret: the job's secret (authenticates the agents' links).
         local_pool: builds node 0's worker pool from its agent (default: real worker processes).
+
+    The planner's background work and the recovery decisions run in a child process (:class:`InChild`), started
+    first: its imports overlap the rest of start-up, and the first precompute simply waits for them.
     """
 
     def __init__(self, config: Config, *, plan: Plan, run_dir: Path, secret: str, local_pool=None):
+        self.planning = InChild()
+        try:
+            self._start(config, plan=plan, run_dir=run_dir, secret=secret, local_pool=local_pool)
+        except BaseException:
+            self.planning.close(grace_s=0.0)  # maybe still importing: nothing it does is wanted
+            raise
+
+    def _start(self, config: Config, *, plan: Plan, run_dir: Path, secret: str, local_pool) -> None:
         self.config, self.run_dir = config, run_dir
         launcher = config.launcher
         self.ckpt_root = checkpoint_root(config.ckpt, run_dir)
@@ -137,18 +125,16 @@ class Controller:
                                seq_len=config.train.seq_len, tp=config.parallel.tp,
                                recompute=config.train.recompute)
         self.store, self.listener = open_meeting_points(launcher, secret)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chameleon-planner")
-        self.decider = Decider()
         saved = SavedState(start.committed_steps, time.time() - start.age_s, Path(resume)) if start else None
         self.core = Core(config, plan=plan, profile=profile, run_dir=str(run_dir), store_port=self.store.port,
-                         ckpt_root=self.ckpt_root, saved=saved, faults=faults, fired=fired, planner=self.pool,
-                         decider=self.decider, clock=Clock())
+                         ckpt_root=self.ckpt_root, saved=saved, faults=faults, fired=fired,
+                         planning=self.planning, clock=Clock())
         self.local_pool = local_pool
         self.links: dict[int, Link] = {}
         self.node_of: dict[Link, int] = {}
         self.arriving: dict[Link, float] = {}
         self.selector = selectors.DefaultSelector()
-        self.selector.register(self.decider.woken, selectors.EVENT_READ, data=self.decider)
+        self.selector.register(self.planning.woken, selectors.EVENT_READ, data=self.planning)
         self.heard_at = time.monotonic()  # when every link was last read (leases are judged up to then)
         self.watched: dict[int, object] = {}  # node 0's worker pipes and sentinels, by descriptor
         self.inbox: list[object] = []
@@ -176,8 +162,7 @@ class Controller:
         finally:
             signal.signal(signal.SIGTERM, previous)
             self.core.close()
-            self.pool.shutdown(cancel_futures=True)
-            self.decider.shutdown(cancel_futures=True)
+            self.planning.close()
             self.recorder.close()
         if self.core.stopping:
             raise Preempted(f"SIGTERM: stopped after saving the checkpoint of step {self.core.saved.committed_steps}; "
@@ -231,6 +216,7 @@ class Controller:
                 self._select(0.0)  # what arrived while the loop was busy (a long publication) renews leases first
                 heard_at = self.heard_at  # whatever runs from here on (a publication, a stall) is not a node's silence
                 self.agent.pool.tick()
+                self.planning.check()  # a planning process that died is the run's end, said in one line
                 self._drain()
                 self._handle(Tick(heard_at))
                 self._expire_arrivals()
@@ -288,8 +274,9 @@ class Controller:
                 self._flush(item)
             if events & selectors.EVENT_READ:
                 self._on_link(item)
-        elif item is self.decider:  # a recovery decided: published now, not at the next tick
-            self.decider.drain()
+        elif item is self.planning:  # a recovery decided: published now, not at the next tick
+            self.planning.drain()
+            self.planning.check()
             self._handle(Tick(self.heard_at))
         else:
             self.agent.pool.on_ready(item)

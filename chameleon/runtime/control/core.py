@@ -11,28 +11,27 @@ Machines of their own beside it keep the rest: the progress watchdog
 slow devices (:mod:`~chameleon.runtime.control.reshape`). What the user is told leaves as
 :mod:`~chameleon.runtime.control.notices`, facts the recorder alone puts into words.
 
-Time comes from an injected clock, and background planning and recovery decisions
-from injected executors (never the event loop's own time), so the whole protocol runs
-in tests without a process (``tests/test_core.py``). ``docs/protocol.md`` gives it as a state table.
+Time comes from an injected clock, and background planning and recovery decisions run as
+named requests wherever the edge says (:mod:`~chameleon.runtime.control.planning`: injected
+executors, or the controller's planning process; never the event loop's own time), so the
+whole protocol runs in tests without a process (``tests/test_core.py``). ``docs/protocol.md``
+gives it as a state table.
 """
 
 from __future__ import annotations
 
+import itertools
 import signal
 import time
-from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, replace
-from functools import partial
 from pathlib import Path
 
 from chameleon.config import Config, OnCorrupt, tags_honoured
 from chameleon.decision.config import PolicyConfig
-from chameleon.decision.coordinator import Coordinator, SavedState, Transition
+from chameleon.decision.coordinator import SavedState, Transition
 from chameleon.decision.measured import Measured, plan_shape
-from chameleon.decision.planner import Planner
 from chameleon.decision.profiler import Profile
-from chameleon.decision.selector import precompute_replans
 from chameleon.faults.spec import FaultSpec, Injector, controller_faults
 from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Plan
@@ -60,7 +59,7 @@ from chameleon.runtime.control.events import (
     Tick,
     Validated,
 )
-from chameleon.runtime.control.growth import Grower, grow
+from chameleon.runtime.control.growth import Grower
 from chameleon.runtime.control.ledger import CheckpointComplete, CommitStep, Evaluation, Ledger
 from chameleon.runtime.control.membership import Lifecycle, Membership
 from chameleon.runtime.control.notices import (
@@ -72,6 +71,7 @@ from chameleon.runtime.control.notices import (
     Preempting,
     ReplayedFinite,
 )
+from chameleon.runtime.control.planning import CostModel, InThreads, Parcelling, Planning, Precompute, reframed
 from chameleon.runtime.control.recovery import Loss, Recoverer
 from chameleon.runtime.control.reshape import Reshaper
 from chameleon.runtime.control.watchdog import Stuck, Watchdog
@@ -159,13 +159,18 @@ class Core:
         planner: runs the planner's background work: precomputes, growths, reshapes (a thread; inline in tests).
         decider: runs recovery decisions, never on the event loop nor behind the planner's work (a thread of
             their own; inline in tests).
+        planning: where the planner's work and the decisions run instead, given (the controller's child process,
+            :mod:`~chameleon.runtime.control.offload`); by default, on ``planner`` and ``decider`` in this process.
         clock: time.
     """
 
     def __init__(self, config: Config, *, plan: Plan, profile: Profile, run_dir: str, store_port: int, ckpt_root: Path,
-                 saved: SavedState | None, faults: list[FaultSpec], fired: list[FaultSpec], planner: Executor,
-                 decider: Executor, clock: Clock = Clock()):
+                 saved: SavedState | None, faults: list[FaultSpec], fired: list[FaultSpec],
+                 planner: Executor | None = None, decider: Executor | None = None, planning: Planning | None = None,
+                 clock: Clock = Clock()):
         self.config, self.run_dir, self.store_port, self.clock = config, run_dir, store_port, clock
+        self.planning: Planning = planning if planning is not None else InThreads(planner, decider)
+        self.tokens = itertools.count()  # names each precompute (a request places from the one it names)
         self.ckpt_root = ckpt_root
         self.launcher, self.train, self.ft = config.launcher, config.train, config.ft
         self.topology = Topology.of(self.launcher)
@@ -206,16 +211,17 @@ class Core:
         self.join_deadline = clock.mono() + self.launcher.join_timeout_s
         self.last_commit = self.leases_checked = clock.mono()
         self.watchdog = Watchdog(self.ft, floor_s=self.launcher.timeout_s, compile=self.train.compile, now=clock.mono())
-        self.precomputed = Background(planner)
-        self.recovery = Recoverer(decider, self._emit)
-        self.growth = Grower(planner, self._emit)
-        self.reshape = Reshaper(self.ft, planner, self._emit)
+        self.precomputed = Background(self.planning)
+        self.recovery = Recoverer(self.planning, self._emit)
+        self.growth = Grower(self.planning, self._emit)
+        self.reshape = Reshaper(self.ft, self.planning, self._emit)
         self.spans: list[Span] = []  # the run's time that was not training (report.breakdown)
         self.last_commit_wall: float | None = None
         self.out: list[object] = []
 
     def _cost_model(self, *, devices_per_host: int) -> None:
-        """Profile, planner and coordinator for this launch's topology.
+        """Profile, planner and coordinator for this launch's topology (where the planning runs builds its own
+        alike, or uses these).
 
         A measured profile is cached per model and host; how many of this job's devices share a
         host's cores is this launch's: a node's, or the whole job's when every node runs on one host.
@@ -224,12 +230,14 @@ class Core:
         if profile.host_cores:
             profile = replace(profile, n_devices=self.world, devices_per_node=devices_per_host)
         self.profile = profile
-        self.planner_ = Planner(profile, dp_degrees=tuple(self.policy.dp_degrees), pp_lengths=tuple(self.policy.pp_lengths))
+        lengths = tuple(self.policy.pp_lengths)
         nodes = self.launcher.nnodes
         domains = tuple(self.topology.devices_of(n) for n in range(nodes)) if nodes > 1 else None
-        self.coordinator = Coordinator(model=self.config.model, profile=profile, planner=self.planner_,
-                                       policy=self.policy, checkpoint_steps=self.config.ckpt.interval, domains=domains,
-                                       tagless=not tags_honoured(self.launcher))
+        cost = CostModel(profile, self.config.model, self.policy, self.config.ckpt.interval, domains,
+                         tuple(self.policy.dp_degrees), lengths, tagless=not tags_honoured(self.launcher))
+        self.cost = cost
+        self.planner_, self.coordinator = cost.build()
+        self.planning.model(cost, self.planner_, self.coordinator)
 
     # ----- the loop's entry ---------------------------------------------------------------------
 
@@ -447,8 +455,9 @@ class Core:
 
     def _publish(self, plan: Plan, *, members: tuple[int, ...], resume_step: int, manifest: Manifest | None = None,
                  checkpoint=None, parcels: Parcels | None = None) -> None:
-        """A new generation: each node's part of the manifest (encoded in the thread that decided it: ``parcels``),
-        then the spec to every node."""
+        """A new generation: each node's part of the manifest (encoded where it was decided: ``parcels``), then the
+        spec to every node. ``manifest``: the transition's, or, decided in a child process, its stand-in
+        (:class:`~chameleon.runtime.control.offload.Moved`: that state moves, and how much; its parts came encoded)."""
         self.generation += 1
         writers = self.coordinator.writers(plan)
         self.spec = GenerationSpec(self.generation, plan, members, resume_step, manifest, checkpoint, writers,
@@ -458,8 +467,10 @@ class Core:
         self.done.clear()  # a generation after the last step (a fault in the final validation) ends anew
         self.final.clear()
         if manifest is not None:
-            if parcels is None or parcels.generation != self.generation:  # another generation came first
+            if parcels is None:  # never from the planning (it encodes what it decides): ``manifest`` is one
                 parcels = parcel(manifest, generation=self.generation, nodes=self.nodes, node_of=self.topology.node_of)
+            elif parcels.generation != self.generation:  # another generation came first
+                parcels = reframed(parcels, self.generation)
             for node in self.nodes:
                 self._emit(Send(node, *parcels.sends[node]))
         self.latest_publish = Publish(replace(self.spec, manifest=None))
@@ -473,8 +484,9 @@ class Core:
         self.reshape.resident(self.profile, self.resident)
         if self.policy.precompute:  # the likely next faults and growth need no search (the planner runs meanwhile)
             away = set(range(self.world)) - set(self.resident.devices)
-            self.precomputed.submit(self.resident, None, precompute_replans, self.resident, self.planner_,
-                                    self._likely_losses(), away)
+            token = next(self.tokens)
+            self.precomputed.submit(self.resident, token, Precompute(token, self.resident,
+                                                                     frozenset(self._likely_losses()), frozenset(away)))
         now = self.clock.wall()
         self.last_commit = self.clock.mono()
         self.watchdog.progressed(self.last_commit)
@@ -650,7 +662,7 @@ class Core:
         for f in self.injector.during_decision(loss.step):
             self._inject(f)
         self.recovery.decide(
-            self.resident, loss, self.coordinator, self._precomputed(), parcel=self._parcel(), next_step=loss.step,
+            self.resident, loss, self._precomputed(), parcel=self._parcel(), next_step=loss.step,
             fresh=None if self.t_train is not None else self.config.ckpt.resume or "", measured=self._measured(),
             speeds=self.reshape.slow, **self._context(),
         )
@@ -671,10 +683,9 @@ class Core:
                       manifest=transition.manifest, checkpoint=transition.checkpoint, parcels=parcels)
         self.recovery.published(self.clock.wall())
 
-    def _parcel(self) -> Callable[[Manifest], Parcels]:
-        """What encodes, in a background thread, every node's moves of the generation after this one."""
-        return partial(parcel, generation=self.generation + 1, nodes=range(self.topology.nnodes),
-                       node_of=self.topology.node_of)
+    def _parcel(self) -> Parcelling:
+        """What encodes, where the planning runs, every node's moves of the generation after this one."""
+        return Parcelling(self.generation + 1, self.topology)
 
     def _step_start(self) -> float:
         """When the step under way started: the last commit, or the first step."""
@@ -687,17 +698,21 @@ class Core:
         nodes = range(1, min(self.ft.fault_domain_nodes, self.launcher.nnodes - 1) + 1)
         return {1} | {n * per_node for n in nodes}
 
-    def _precomputed(self) -> Future | None:
-        """The finished precompute for the resident plan; None when none was searched for it, or its search has not
-        finished (a decision never waits on the planner's thread: the selector searches itself)."""
+    def _precomputed(self) -> int | None:
+        """The finished precompute for the resident plan (its token); None when none was searched for it, or its
+        search has not finished or failed (a decision never waits on the planner's lane: the selector searches
+        itself)."""
         search = self.precomputed.search
-        return search.future if search is not None and search.stands(self.resident) else None
+        if search is None or not search.stands(self.resident) or search.future.cancelled() \
+                or search.future.exception() is not None:
+            return None
+        return search.about
 
-    def _ahead(self) -> Future | None:
-        """The precompute for the resident plan, finished or not (for a decision in the planner's thread, which runs
-        it first)."""
+    def _ahead(self) -> int | None:
+        """The precompute for the resident plan (its token), finished or not (for a decision on the planner's lane,
+        which runs it first)."""
         search = self.precomputed.search
-        return search.future if search is not None and search.resident is self.resident else None
+        return search.about if search is not None and search.resident is self.resident else None
 
     def _fence(self, devices: set[int]) -> None:
         """Make sure lost devices are dead: SIGKILL through their agents, where those can be reached."""
@@ -758,8 +773,7 @@ class Core:
         if self._settled():
             self.growth.consider(self.membership.standby, restarting=bool(self.membership.of(Lifecycle.restarting)),
                                  now=self.clock.wall(), resident=self.resident,
-                                 decide=partial(grow, self.coordinator, self._ahead()),
-                                 parcel=self._parcel(),
+                                 ahead=self._ahead(), parcel=self._parcel(),
                                  context=lambda: {**self._context(), "measured": self._measured()})
 
     def _switch(self, grown: Transition, parcels: Parcels | None) -> int:
@@ -774,7 +788,7 @@ class Core:
         """A changed verdict on slow devices: decide in the planner's thread how to train around them (Eq. 8)."""
         if self._settled() and self.growth.timeline is None:
             self.reshape.consider(self.resident, next_step=self.ledger.next_step, times=self.resident_times,
-                                  now=self.clock.wall(), decide=self.coordinator.reshape, parcel=self._parcel(),
+                                  now=self.clock.wall(), parcel=self._parcel(),
                                   context=self._context)
 
     def _switch_reshape(self, to: Transition, parcels: Parcels | None) -> int:

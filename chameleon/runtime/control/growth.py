@@ -4,58 +4,49 @@ switches at the next step boundary, and its timeline closes at the first commit 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, Future
 
-from chameleon.decision.coordinator import Coordinator, Transition
+from chameleon.decision.coordinator import Transition
 from chameleon.decision.selector import Decision
 from chameleon.layout.plan import Plan
 from chameleon.report.breakdown import Span
-from chameleon.runtime.control.background import Background, parcelled, placed_ahead
+from chameleon.runtime.control.background import Background
 from chameleon.runtime.control.events import Record
 from chameleon.runtime.control.notices import GrowingBack, Grew, GrowthDeclined
+from chameleon.runtime.control.planning import Grow, Parcelling, Planning
 from chameleon.runtime.control.timelines import Growth
 from chameleon.runtime.protocol.messages import Parcels
 
 GROW_SETTLE_S = 0.5  # wait for more returning devices this long after the last one
 
 
-def grow(coordinator: Coordinator, precomputed: Future | None, resident: Plan, /, *, joining: set[int],
-         alive: set[int], **kwargs) -> Transition | Decision:
-    """:meth:`Coordinator.grow`, in the planner's thread, from the precomputed shape over every stage unit with the
-    devices back, placed (``precomputed``: the precompute for ``resident``, if any, finished or not: it runs in the
-    same thread, before)."""
-    devices = set(resident.devices) | joining | alive
-    placed = placed_ahead(precomputed, resident, devices, coordinator.profile)
-    return coordinator.grow(resident, joining=joining, alive=alive, precomputed=placed, **kwargs)
-
-
 class Grower:
     """Growths: the one being decided, the devices last found not worth it, the one switching, those done.
 
     Args:
-        planner: runs the decisions (the planner's thread).
+        planning: runs the decisions (on the planner's lane).
         emit: takes the records and notices it makes.
     """
 
-    def __init__(self, planner: Executor, emit: Callable[[object], None]):
-        self.background = Background(planner)
+    def __init__(self, planning: Planning, emit: Callable[[object], None]):
+        self.background = Background(planning)
         self.emit = emit
         self.declined: frozenset[int] = frozenset()  # the devices back when growing last did not pay
         self.timeline: Growth | None = None  # a growth decided, until its first commit
         self.done: list[Growth] = []
 
     def consider(self, standby: Mapping[int, float], *, restarting: bool, now: float, resident: Plan,
-                 decide: Callable[..., Transition | Decision], parcel: Callable, context: Callable[[], dict]) -> None:
-        """Devices on ``standby`` (since when each is back): decide ``decide(resident, joining=..., **context())``
-        in the planner's thread (a growth's moves encoded there too, by ``parcel``), once no device is ``restarting``
-        or the last came back ``GROW_SETTLE_S`` ago."""
+                 ahead: int | None, parcel: Parcelling, context: Callable[[], dict]) -> None:
+        """Devices on ``standby`` (since when each is back): decide on growing ``resident`` onto them with
+        ``context()`` on the planner's lane (:class:`~chameleon.runtime.control.planning.Grow`, from the precompute
+        ``ahead``; a growth's moves encoded there too, by ``parcel``), once no device is ``restarting`` or the last
+        came back ``GROW_SETTLE_S`` ago."""
         joining = frozenset(standby)
         if not joining or joining == self.declined or self.background.busy:
             return
         if restarting and now - max(standby.values()) < GROW_SETTLE_S:
             return  # a node's devices come back together: wait a moment for the rest
-        self.background.submit(resident, joining, parcelled, decide, parcel, resident, joining=set(joining),
-                               **context())
+        self.background.submit(resident, joining, Grow(resident, ahead, parcel, {"joining": set(joining),
+                                                                                  **context()}))
 
     def ripe(self, resident: Plan, standby: Mapping[int, float],
              now: float) -> tuple[Transition, Parcels | None] | None:

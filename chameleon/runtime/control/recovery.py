@@ -5,15 +5,15 @@ and its pace once steady."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
 
-from chameleon.decision.coordinator import Coordinator, NoRecovery, SavedState, Transition
+from chameleon.decision.coordinator import NoRecovery, SavedState, Transition
 from chameleon.layout.plan import Plan
 from chameleon.report.breakdown import Span
-from chameleon.runtime.control.background import Background, parcelled, placed_ahead
+from chameleon.runtime.control.background import Background
 from chameleon.runtime.control.events import Record
 from chameleon.runtime.control.notices import Recovered, RecoveryDecided
+from chameleon.runtime.control.planning import Parcelling, Planning, Recover
 from chameleon.runtime.control.timelines import Recovery
 from chameleon.runtime.protocol.errors import TrainingError
 from chameleon.runtime.protocol.messages import Parcels
@@ -40,25 +40,17 @@ class Loss:
                        where={**self.where, **later.where})
 
 
-def recover(coordinator: Coordinator, precomputed: Future | None, resident: Plan, /, *, alive: set[int],
-            **kwargs) -> Transition:
-    """:meth:`Coordinator.recover`, in the decision thread, from the precomputed shape for what survives, placed
-    (``precomputed``: the finished precompute for ``resident``, if any)."""
-    placed = placed_ahead(precomputed, resident, alive, coordinator.profile)
-    return coordinator.recover(resident, alive=alive, precomputed=placed, **kwargs)
-
-
 class Recoverer:
     """The recovery under way (its timeline, from the loss to the first commit after it), the one being paced, and
     those done (see the module doc).
 
     Args:
-        decider: runs the decisions (a thread of their own).
+        planning: runs the decisions (on a lane of their own).
         emit: takes the records and notices it makes.
     """
 
-    def __init__(self, decider: Executor, emit: Callable[[object], None]):
-        self.deciding = Background(decider)
+    def __init__(self, planning: Planning, emit: Callable[[object], None]):
+        self.deciding = Background(planning)
         self.emit = emit
         self.timeline: Recovery | None = None
         self.pacing: tuple[Recovery, list[float]] | None = None  # a recovery closed, its steady steps being timed
@@ -83,10 +75,10 @@ class Recoverer:
             self.timeline.where.update(loss.where)
         return self.deciding.search.about.then(loss) if self.deciding.busy else loss
 
-    def decide(self, resident: Plan, loss: Loss, coordinator: Coordinator, precomputed: Future | None, *,
-               parcel: Callable, **kwargs) -> None:
-        """Decide on ``loss`` in the decision thread (:func:`recover`), which encodes its moves too (``parcel``)."""
-        self.deciding.submit(resident, loss, parcelled, recover, parcel, coordinator, precomputed, resident, **kwargs)
+    def decide(self, resident: Plan, loss: Loss, ahead: int | None, *, parcel: Parcelling, **kwargs) -> None:
+        """Decide on ``loss`` on the decisions' lane (:class:`~chameleon.runtime.control.planning.Recover`, from the
+        finished precompute ``ahead``), which encodes its moves too (``parcel``)."""
+        self.deciding.submit(resident, loss, Recover(resident, ahead, parcel, kwargs))
 
     def decided(self, now: float, *, generation: int, was: Plan,
                 saved: SavedState | None) -> tuple[Transition, Parcels | None] | None:
@@ -108,7 +100,7 @@ class Recoverer:
         rec.t_decided, rec.decision = now, transition.decision
         rec.estimated_step_s = transition.estimated_step_s
         if transition.manifest is not None:
-            rec.manifest_bytes, rec.manifest_rounds = transition.manifest.wire_bytes, len(transition.manifest.rounds)
+            rec.manifest_bytes, rec.manifest_rounds = transition.manifest.wire_bytes, len(transition.manifest.round_bytes)
         self.emit(Record({
             "event": "fault", "generation": generation, "failed_ranks": sorted(loss.devices), "cause": loss.cause,
             "step": loss.step, "where": loss.where, "t_fault": loss.t_fault, "t_fault_source": loss.source,

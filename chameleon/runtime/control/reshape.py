@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from concurrent.futures import Executor
 
 from chameleon.config import FaultToleranceConfig, SlowPolicy
 from chameleon.decision.coordinator import Transition
@@ -15,9 +14,10 @@ from chameleon.decision.profiler import Profile
 from chameleon.decision.selector import Decision
 from chameleon.layout.plan import Plan
 from chameleon.report.breakdown import Span
-from chameleon.runtime.control.background import Background, parcelled
+from chameleon.runtime.control.background import Background
 from chameleon.runtime.control.events import Record
 from chameleon.runtime.control.notices import Reshaping, SlowDevices, Tolerating
+from chameleon.runtime.control.planning import Parcelling, Planning, Reshape as ReshapeRequest
 from chameleon.runtime.control.stragglers import Stragglers
 from chameleon.runtime.control.timelines import Reshape
 from chameleon.runtime.protocol.messages import Parcels
@@ -32,14 +32,14 @@ class Reshaper:
 
     Args:
         ft: ``ft.slow`` (off: no device is ever judged), its ratio, window and horizon.
-        planner: runs the decisions (the planner's thread).
+        planning: runs the decisions (on the planner's lane).
         emit: takes the records and notices it makes.
     """
 
-    def __init__(self, ft: FaultToleranceConfig, planner: Executor, emit: Callable[[object], None]):
+    def __init__(self, ft: FaultToleranceConfig, planning: Planning, emit: Callable[[object], None]):
         self.ft, self.emit = ft, emit
         self.stragglers = Stragglers(ratio=ft.slow_ratio, window=ft.slow_window) if ft.slow == SlowPolicy.on else None
-        self.background = Background(planner)
+        self.background = Background(planning)
         self.work: dict[int, float] = {}  # each trainer's compute per step under the resident plan, as modelled
         self.roles: dict[int, tuple[int, int]] = {}  # each trainer's layers under the resident plan
         self.self_timed: dict[int, float] = {}  # idle members' slowdowns reported since the last commit
@@ -85,18 +85,17 @@ class Reshaper:
             self.due = bool(self.stragglers.slow)
 
     def consider(self, resident: Plan, *, next_step: int, times: list[float], now: float,
-                 decide: Callable[..., Transition | Decision], parcel: Callable, context: Callable[[], dict]) -> None:
-        """A changed verdict: decide ``decide(resident, speeds=..., step_s=..., horizon_s=..., **context())`` in the
-        planner's thread (a new plan's moves encoded there too, by ``parcel``), from the median of the resident
-        plan's last steady step ``times``."""
+                 parcel: Parcelling, context: Callable[[], dict]) -> None:
+        """A changed verdict: decide on ``resident`` with ``speeds``, ``step_s``, ``horizon_s`` and ``context()`` on
+        the planner's lane (:meth:`~chameleon.decision.coordinator.Coordinator.reshape`; a new plan's moves encoded
+        there too, by ``parcel``), from the median of the resident plan's last steady step ``times``."""
         if not self.due or self.background.busy or next_step < self.after or not times:
             return
         self.due = False
         speeds = self.slow
         recent = sorted(times[-self.ft.slow_window:])
-        self.background.submit(resident, tuple(sorted(speeds.items())), parcelled, decide, parcel, resident,
-                               speeds=speeds, step_s=recent[len(recent) // 2], horizon_s=self.ft.slow_expected_s,
-                               **context())
+        self.background.submit(resident, tuple(sorted(speeds.items())), ReshapeRequest(resident, parcel, {
+            "speeds": speeds, "step_s": recent[len(recent) // 2], "horizon_s": self.ft.slow_expected_s, **context()}))
         self.timeline = Reshape(speeds, next_step, now)
 
     def ripe(self, resident: Plan, now: float) -> tuple[Transition, Parcels | None] | None:

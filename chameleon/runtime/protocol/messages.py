@@ -533,10 +533,11 @@ def _unpack_manifest(packed: list) -> Manifest:
 
 @dataclass(frozen=True)
 class Parcels:
-    """Every node's :class:`Moves` of a generation, with its frame (:func:`parcel`)."""
+    """Every node's :class:`Moves` of a generation, with its frame (:func:`parcel`); a node's Moves may be None where
+    only its frame is kept (sent back from a planning process: the frame is what goes on the wire)."""
 
     generation: int
-    sends: dict[int, tuple[Moves, bytes]]
+    sends: dict[int, tuple[Moves | None, bytes]]
 
 
 def parcel(manifest: Manifest, *, generation: int, nodes: Iterable[int], node_of: Callable[[int], int]) -> Parcels:
