@@ -16,8 +16,9 @@ import pytest
 
 from chameleon.decision.profiler import load_profile
 from chameleon.runtime.control.core import Core
-from chameleon.runtime.control.offload import OWN_NODE, InChild, Moved, PlanningDied, light
+from chameleon.runtime.control.offload import OWN_NODE, PROCESS_NAME, InChild, Moved, PlanningDied, light
 from chameleon.runtime.control.planning import Grow, InThreads, Parcelling, Precompute, Recover, Reshape, reframed
+from chameleon.runtime.node.processes import forkserver
 from chameleon.runtime.protocol import codec
 from chameleon.runtime.protocol.messages import parcel
 from chameleon.runtime.protocol.errors import TrainingError
@@ -86,7 +87,7 @@ def test_the_child_decides_as_the_threads_do():
                  "train.global_batch=12")
     threads = InThreads(ThreadPoolExecutor(1), ThreadPoolExecutor(1))
     threads.model(core.cost, *core.cost.build())
-    child = InChild()
+    child = InChild(forkserver())
     try:
         child.model(core.cost, None, None)
         here = [threads.submit(r) for r in _requests(core)]
@@ -156,7 +157,7 @@ def test_moves_encoded_for_a_generation_that_came_first_are_encoded_again():
 def test_a_search_that_raises_is_its_futures_error_and_the_child_goes_on():
     """A search's error is its future's (as in a thread); a signal meant for the controller leaves it be."""
     core = _core()
-    child = InChild()
+    child = InChild(forkserver())
     try:
         child.model(core.cost, None, None)
         plan = core.first_plan
@@ -178,7 +179,7 @@ def test_a_killed_child_is_one_clear_error_not_a_hang():
     """Killed under way: the decision waiting on it fails at once with what happened, and so does any later one;
     the event loop is woken to see it."""
     core = _core("policy.name=dynamic")
-    child = InChild()
+    child = InChild(forkserver())
     try:
         child.model(core.cost, None, None)
         plan = core.first_plan
@@ -203,19 +204,22 @@ def test_a_killed_child_is_one_clear_error_not_a_hang():
     assert not child.process.is_alive()
 
 
-def _children(pid: int) -> list[tuple[int, str]]:
-    out = []
+def _descendants(pid: int) -> dict[int, str]:
+    """Every process below ``pid``, with its name."""
+    parent, name = {}, {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append((int(entry.name), cmdline))
-    return out
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            name[int(entry.name)] = stat[stat.index("(") + 1:stat.rindex(")")]
+    below, frontier = {}, {pid}
+    while frontier:
+        frontier = {p for p, up in parent.items() if up in frontier}
+        below.update({p: name[p] for p in frontier})
+    return below
 
 
 @pytest.mark.full
@@ -234,7 +238,7 @@ def test_a_planning_process_killed_mid_run_ends_the_run_with_one_line(tmp_path):
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.2)
-        (planning,) = [pid for pid, cmdline in _children(proc.pid) if "spawn_main" in cmdline]
+        (planning,) = [pid for pid, name in _descendants(proc.pid).items() if name == PROCESS_NAME]
         os.kill(planning, signal.SIGKILL)
         killed = time.monotonic()
         _, err = proc.communicate(timeout=60)

@@ -174,7 +174,7 @@ def test_an_accelerator_is_timed_by_events_read_after_the_step_and_waits_only_wh
     assert _StreamEvent.synchronized == 1 and 0.04 <= paced.seconds < 0.4
 
 
-SLOW_RUN = (*SMALL_RUN, "train.steps=12", "train.micro_batch=1")  # 8 micro-batches: 2 per pipeline of dp4
+SLOW_RUN = (*SMALL_RUN, "train.steps=16", "train.micro_batch=1")  # 8 micro-batches: 2 per pipeline of dp4
 
 
 @pytest.fixture(scope="module")

@@ -87,12 +87,15 @@ class Controller:
         secret: the job's secret (authenticates the agents' links).
         local_pool: builds node 0's worker pool from its agent (default: real worker processes).
 
-    The planner's background work and the recovery decisions run in a child process (:class:`InChild`), started
-    first: its imports overlap the rest of start-up, and the first precompute simply waits for them.
+    The planner's background work and the recovery decisions run in a child process (:class:`InChild`) forked from
+    the workers' forkserver, started first: the server's imports overlap the rest of start-up, and the first
+    precompute simply waits for them.
     """
 
     def __init__(self, config: Config, *, plan: Plan, run_dir: Path, secret: str, local_pool=None):
-        self.planning = InChild()
+        from chameleon.runtime.node.processes import forkserver
+
+        self.planning = InChild(forkserver())
         try:
             self._start(config, plan=plan, run_dir=run_dir, secret=secret, local_pool=local_pool)
         except BaseException:

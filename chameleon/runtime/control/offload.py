@@ -2,8 +2,9 @@
 
 At thousands of devices a precompute is seconds of Python: in a thread of the controller it holds the GIL the
 event loop needs for leases and commits. :class:`InChild` runs the same requests
-(:mod:`~chameleon.runtime.control.planning`) in a child process started with ``spawn`` (the controller has
-threads: never a plain fork), which builds its own planner and coordinator from the core's picklable
+(:mod:`~chameleon.runtime.control.planning`) in a child process forked from the workers' forkserver (the
+controller has threads: never a plain fork; a ``spawn`` child imported torch on its own, seconds that a loaded
+host spent while the job trained undecided), which builds its own planner and coordinator from the core's picklable
 :class:`~chameleon.runtime.control.planning.CostModel` and keeps today's two lanes, one thread each. The
 precomputes' caches stay there; requests name the one they place from.
 
@@ -23,8 +24,8 @@ and holdings its coordinator keeps for it; the parent says when it forgets one.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import multiprocessing
 import os
 import queue
 import signal
@@ -33,6 +34,7 @@ import traceback
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 from chameleon.decision.coordinator import Coordinator
 from chameleon.decision.planner import Planner
@@ -41,11 +43,11 @@ from chameleon.runtime.control.planning import DECIDER, PLANNER, CostModel, Requ
 from chameleon.runtime.protocol.messages import Parcels
 from chameleon.runtime.protocol.errors import TrainingError
 
-START_METHOD = "spawn"
 OWN_NODE = 0  # the controller's own node: its agent is handed the Moves object (controller.py: _send)
 PLANS_KEPT = 8  # plans each side keeps by key
 STOP_S = 5.0  # the child exits this soon when asked, or is terminated, then killed
 STOPPING = {signal.SIGINT, signal.SIGTERM}
+PROCESS_NAME = "chameleon-plan"
 
 
 @dataclass(frozen=True)
@@ -125,14 +127,14 @@ class PlanningDied(TrainingError):
 
 
 class InChild:
-    """A :class:`~chameleon.runtime.control.planning.Planning` in a child process (see the module doc). Started at
-    once: its imports overlap the controller's start-up, and the first request simply waits for them."""
+    """A :class:`~chameleon.runtime.control.planning.Planning` in a child process (see the module doc), started at
+    once from ``context`` (the workers' forkserver: torch and this module preloaded); the first request simply
+    waits for the server's imports, which overlap the controller's start-up."""
 
-    def __init__(self):
-        ctx = multiprocessing.get_context(START_METHOD)
-        self._conn, child_end = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child_end,), name="chameleon-planning", daemon=True)
-        self._start_ignoring(STOPPING)
+    def __init__(self, context):
+        self._conn, child_end = context.Pipe()
+        self.process = context.Process(target=serve, args=(child_end,), name="chameleon-planning", daemon=True)
+        self.process.start()
         child_end.close()
         self.woken, self._wake = os.pipe()
         os.set_blocking(self.woken, False)
@@ -149,24 +151,6 @@ class InChild:
         self._reader = threading.Thread(target=self._read_loop, name="chameleon-planning-read", daemon=True)
         self._sender.start()
         self._reader.start()
-
-    def _start_ignoring(self, signals: set[int]) -> None:
-        """Start the child with ``signals`` ignored from its first instruction (an ignored signal stays ignored
-        across exec, and Python then installs no handler of its own): a Ctrl-C or a SIGTERM to the process group
-        is the controller's to handle (a preemption is a checkpoint, then the end), and the child leaves when the
-        controller says so. Meanwhile they are blocked here: one that comes is delivered once the controller's own
-        handlers are back."""
-        if not _main_thread():
-            self.process.start()
-            return
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-        handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in signals}
-        try:
-            self.process.start()
-        finally:
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     # ----- Planning -------------------------------------------------------------------------------
 
@@ -205,7 +189,7 @@ class InChild:
         self._closing = True
         self._outbox.put(Stop())
         self.process.join(grace_s)
-        if self.process.is_alive():  # it ignores SIGTERM (see __init__)
+        if self.process.is_alive():  # it ignores SIGTERM (see serve)
             self.process.kill()
             self.process.join(STOP_S)
         self._outbox.put(None)
@@ -314,9 +298,15 @@ class InChild:
 
 def serve(conn) -> None:
     """The child's main: requests read in order (plans resolved by key as they arrive), run on their lane's
-    thread, results sent back; it ends on :class:`Stop` or when the parent's end closes."""
+    thread, results sent back; it ends on :class:`Stop` or when the parent's end closes.
+
+    A Ctrl-C or a SIGTERM to the process group is the controller's to handle (a preemption is a checkpoint, then
+    the end): ignored here from the first instruction, and the child leaves when the controller says so. It is
+    named ``chameleon-plan`` where the system shows process names (``ps``, ``top``)."""
     for signum in STOPPING:
         signal.signal(signum, signal.SIG_IGN)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_text(PROCESS_NAME)
     shop = Workshop()
     plans: dict[int, Plan] = {}
     keys = itertools.count(-1, -1)
@@ -378,10 +368,6 @@ def serve(conn) -> None:
             case Stop():
                 break
     os._exit(0)  # a search under way is abandoned: nobody waits for it
-
-
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
 
 
 def _portable(err: Exception) -> Exception:

@@ -227,7 +227,8 @@ class Processes:
 
 
 def forkserver(*, start: bool = False, ready: bool = False):
-    """The forkserver context workers start from (torch and the worker module preloaded).
+    """The forkserver context workers and the controller's planning process start from (torch, the worker module
+    and the planning process's preloaded).
 
     ``start`` starts the server now (its imports overlap what comes next); ``ready`` also waits for
     them, so that a worker starts in milliseconds afterwards.
@@ -236,7 +237,7 @@ def forkserver(*, start: bool = False, ready: bool = False):
     # connection a dead peer closed) would bury them. The forkserver inherits this at its start.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "chameleon.runtime.worker.main"])
+    ctx.set_forkserver_preload(["torch", "chameleon.runtime.worker.main", "chameleon.runtime.control.offload"])
     if start:
         mp.forkserver.ensure_running()
     if ready:  # a no-op child starts once the server has finished its imports
