@@ -34,7 +34,9 @@ registration a restarted agent makes, lets the job grow back, and ends. Per size
 - ``control_bytes_per_step``: bytes on every agent link, both ways, per step;
 - ``fault_to_generation_s``: the node's link closed → the next generation received by
   every surviving node (``decide_s``: the controller's decision within it);
-- ``rejoin_to_generation_s``: the returning agent's hello → the grown generation received by it.
+- ``rejoin_to_generation_s``: the returning agent's hello → the grown generation received by it
+  (``growth``: the choice, "declined: …" when the decision kept the plan, "not grown by the end" when no
+  growth was decided before the last step).
 
 ``--quick`` (CI) runs 64 devices with 0.25 s steps and a shorter window.
 """
@@ -518,6 +520,7 @@ def summarise(devices, nodes, step_s, steps, records, metrics, events, keys_befo
     back = next(r["hello_back"] for r in records if r["hello_back"])
     grown = [t for r in records for node, g, t, member in r["publishes"] if member and node == nodes - 1 and t >= back]
     growth = next((e for e in events if e["event"] == "grown"), None)
+    declined = next((e for e in events if e["event"] == "growth"), None)
     return {
         "devices": devices, "nodes": nodes, "step_s": step_s,
         "commit_overhead_ms_p50": statistics.median(overhead), "commit_overhead_ms_p99": _p99(overhead),
@@ -529,7 +532,8 @@ def summarise(devices, nodes, step_s, steps, records, metrics, events, keys_befo
         "decide_s": fault["decide_s"], "publish_s": recovered["publish_s"], "first_publish_s": min(after) - kill,
         "fault_choice": fault["decision"]["choice"],
         "rejoin_to_generation_s": (min(grown) - back) if grown else None,
-        "growth": growth["chosen"] if growth else "declined",
+        "growth": (growth["chosen"] if growth else f"declined: {declined['choice']}" if declined
+                   else "not grown by the end"),
         "controller_peak_gb": peak_gb,
         "wall_s": wall,
     }
