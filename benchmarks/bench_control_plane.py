@@ -484,7 +484,7 @@ def run_size(devices: int, *, step_s: float, window: int) -> dict:
         run_dir.mkdir()
         controller = Controller(config, plan=plan, run_dir=run_dir, secret=SECRET, local_pool=lambda agent: WokenPool(
             agent, step_s=step_s, steps=steps, seed=0))
-        planning.value = controller.planning.process.pid
+        planning.value = controller.planning.pid
         watch = _PeakWatch(planning.value)
         watch.start()
         keys_before = controller.store.num_keys()

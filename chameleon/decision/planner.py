@@ -48,7 +48,6 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
 import numpy as np
-from scipy.optimize import linprog
 
 from chameleon.decision import estimator as est
 from chameleon.decision.profiler import Profile
@@ -604,6 +603,8 @@ def _transport(cost: np.ndarray, supply: np.ndarray, demand: np.ndarray) -> np.n
     n_a, n_b = cost.shape
     if n_a == 1 or n_b == 1:
         return demand[None, :] if n_a == 1 else supply[:, None]
+    from scipy.optimize import linprog  # 0.4 s to import: never on a start-up's path, where one kind is the rule
+
     rows = np.zeros((n_a + n_b, n_a * n_b))
     for a in range(n_a):
         rows[a, a * n_b:(a + 1) * n_b] = 1

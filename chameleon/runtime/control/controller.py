@@ -193,13 +193,12 @@ class Controller:
 
     def _open_local_node(self) -> None:
         """Node 0's agent, in this process; its registration (the others register over the network)."""
-        from chameleon.runtime.node.processes import Processes, forkserver
+        from chameleon.runtime.node.processes import Processes
 
         config, launcher = self.config, self.config.launcher
         devices = tuple(range(launcher.nproc_per_node))
         self.agent = Agent(node=0, devices=devices, report=lambda m: self.inbox.append(Received(0, m)))
-        if self.local_pool is None:
-            forkserver(start=True)  # its imports overlap the wait for the other nodes
+        if self.local_pool is None:  # the forkserver the workers start from is starting: the planning process asked for it
             self.agent.pool = Processes(node=0, config=config, run_dir=str(self.run_dir), store_host=launcher.master_addr,
                                         store_port=self.store.port, node_addr=launcher.node_addr,
                                         report=self.agent.from_worker, greeting=self.agent.greeting)

@@ -128,14 +128,15 @@ class PlanningDied(TrainingError):
 
 class InChild:
     """A :class:`~chameleon.runtime.control.planning.Planning` in a child process (see the module doc), started at
-    once from ``context`` (the workers' forkserver: torch and this module preloaded); the first request simply
-    waits for the server's imports, which overlap the controller's start-up."""
+    once from ``context`` (the workers' forkserver: torch and this module preloaded) by a thread of its own: a
+    forkserver answers only once its imports are done, and they overlap the controller's start-up; requests
+    meanwhile wait in the pipe."""
 
     def __init__(self, context):
         self._conn, child_end = context.Pipe()
         self.process = context.Process(target=serve, args=(child_end,), name="chameleon-planning", daemon=True)
-        self.process.start()
-        child_end.close()
+        self._starter = threading.Thread(target=self._start, args=(child_end,), name="chameleon-planning-start",
+                                         daemon=True)
         self.woken, self._wake = os.pipe()
         os.set_blocking(self.woken, False)
         os.set_blocking(self._wake, False)
@@ -149,8 +150,23 @@ class InChild:
         self._closing = False
         self._sender = threading.Thread(target=self._send_loop, name="chameleon-planning-send", daemon=True)
         self._reader = threading.Thread(target=self._read_loop, name="chameleon-planning-read", daemon=True)
+        self._starter.start()
         self._sender.start()
         self._reader.start()
+
+    def _start(self, child_end) -> None:
+        try:
+            self.process.start()
+        except Exception as err:  # noqa: BLE001 - no decision can be taken: the loop hears it (check)
+            self._died(f"the planning process could not start ({type(err).__name__}: {err})")
+        finally:
+            child_end.close()  # the reader sees the child's end close, not only its own
+
+    @property
+    def pid(self) -> int | None:
+        """The child's pid, once started (None if it could not start)."""
+        self._starter.join()
+        return self.process.pid
 
     # ----- Planning -------------------------------------------------------------------------------
 
@@ -188,10 +204,11 @@ class InChild:
             return
         self._closing = True
         self._outbox.put(Stop())
-        self.process.join(grace_s)
-        if self.process.is_alive():  # it ignores SIGTERM (see serve)
-            self.process.kill()
-            self.process.join(STOP_S)
+        if self.pid is not None:
+            self.process.join(grace_s)
+            if self.process.is_alive():  # it ignores SIGTERM (see serve)
+                self.process.kill()
+                self.process.join(STOP_S)
         self._outbox.put(None)
         self._sender.join(STOP_S)
         self._conn.close()
@@ -248,7 +265,7 @@ class InChild:
                 self._died(f"its result could not be read ({type(err).__name__}: {err})")
                 return
             self._resolve(result)
-        if not self._closing:
+        if not self._closing and self.pid is not None:
             self.process.join(1.0)
             code = self.process.exitcode
             how = "is still running" if code is None else \

@@ -228,7 +228,7 @@ class Processes:
 
 def forkserver(*, start: bool = False, ready: bool = False):
     """The forkserver context workers and the controller's planning process start from (torch, the worker module
-    and the planning process's preloaded).
+    and the planning process's preloaded: a planner ready when training starts).
 
     ``start`` starts the server now (its imports overlap what comes next); ``ready`` also waits for
     them, so that a worker starts in milliseconds afterwards.
