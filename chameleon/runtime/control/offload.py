@@ -81,7 +81,7 @@ class Model:
 
 @dataclass(frozen=True)
 class Stop:
-    pass
+    """The child's cue to leave."""
 
 
 @dataclass(frozen=True)
@@ -192,10 +192,8 @@ class InChild:
             raise PlanningDied(self.died)
 
     def drain(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):
             os.read(self.woken, 4096)
-        except BlockingIOError:
-            pass
 
     def close(self, grace_s: float = STOP_S) -> None:
         """Stop the child (asked, given ``grace_s``, then killed: never left behind) and fail what is still under

@@ -11,6 +11,7 @@ loop's GIL. Both run the same requests through the same :meth:`Workshop.serve`, 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
@@ -104,14 +105,14 @@ class Workshop:
         return request.run(self)
 
 
-class Request:
+class Request(ABC):
     """Work for a workshop, named (no closure): ``run`` carries it out; ``lane``: whose thread runs it."""
 
     lane: ClassVar[str] = PLANNER
     resident: Plan
 
-    def run(self, shop: Workshop) -> object:
-        raise NotImplementedError
+    @abstractmethod
+    def run(self, shop: Workshop) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -209,5 +210,5 @@ class InThreads:
         self.shop.use(planner, coordinator)
 
     def close(self) -> None:
-        pass
+        """Nothing to end: the executors are the caller's."""
 
