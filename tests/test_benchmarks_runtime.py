@@ -29,6 +29,7 @@ def test_chaos_quick():
     ("device_check.py", [], "needs a CUDA device and none is visible"),
     ("bench_memory.py", ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--vocab", "256", "--steps", "1"],
      "saving vs none"),
+    ("bench_relayout_memory.py", ["--dim", "64", "--n-layers", "2", "--vocab", "256"], "measured ÷ estimate"),
     ("bench_multinode.py", ["--quick"], "medians"),
     ("bench_groups.py", ["--ranks", "2", "4"], "plan"),
     ("bench_slow.py", ["--quick"], "chameleon ÷ best"),

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import gc
 from dataclasses import dataclass
-from functools import partial
+from collections.abc import Callable
+from functools import cache, partial
 from pathlib import Path
 
 from chameleon.decision.config import PolicyConfig
@@ -21,6 +22,7 @@ from chameleon.decision.planner import Planner
 from chameleon.decision.profiler import Profile
 from chameleon.decision.selector import Decision, decide, decide_growth, decide_slow
 from chameleon.layout.geometry import replica_groups, writers
+from chameleon.layout.memory import relayout_memory
 from chameleon.layout.plan import Plan
 from chameleon.layout.relayout import Manifest, relayout_held
 from chameleon.layout.spec import Layout, Region, stage_holdings
@@ -136,10 +138,12 @@ class Coordinator:
             NoRecovery: no candidate is feasible (some region lost with no checkpoint, says which).
         """
         failed = set(resident.devices) - alive
+        manifest = self._manifests(resident, alive)
         decision = decide(
             self.profile, resident, failed, policy=self.policy, planner=self._bounded(), precomputed=precomputed,
             fault_times=fault_times, elapsed_s=elapsed_s, idle=alive - set(resident.devices),
             measured=measured, tp_sizes=self.tp_sizes, speeds=speeds, tagless=self.tagless,
+            relayout_peak=None if fresh is not None else self._peak(resident, manifest),
             **self._fallback(resident, saved, now),
         )
         chosen = decision.chosen
@@ -149,8 +153,7 @@ class Coordinator:
             return self._transition(decision, chosen.plan, alive, saved.committed_steps, None, str(saved.root))
         if fresh is not None:
             return self._transition(decision, chosen.plan, alive, next_step, None, fresh or None)
-        manifest = relayout_held(self.holdings(resident), self.holdings(chosen.plan), survivors=sorted(alive))
-        return self._transition(decision, chosen.plan, alive, next_step, manifest, None)
+        return self._transition(decision, chosen.plan, alive, next_step, manifest(chosen.plan), None)
 
     def _bounded(self) -> Planner:
         """The planner, its searches bounded by ``policy.decide_budget_s`` from now (anytime: the best found)."""
@@ -171,15 +174,15 @@ class Coordinator:
 
         Its ``resume_step`` is left to the caller: the step after the commit it switches at.
         """
-        idle = joining | (alive - set(resident.devices))
+        idle, members = joining | (alive - set(resident.devices)), alive | joining
+        manifest = self._manifests(resident, members)
         decision = decide_growth(self.profile, resident, idle, policy=self.policy, planner=self._bounded(),
                                  fault_times=fault_times, elapsed_s=elapsed_s, measured=measured,
-                                 precomputed=precomputed, **self._fallback(resident, saved, now))
+                                 precomputed=precomputed, relayout_peak=self._peak(resident, manifest),
+                                 **self._fallback(resident, saved, now))
         if decision.choice != "grow":
             return decision
-        plan, members = decision.chosen.plan, alive | joining
-        manifest = relayout_held(self.holdings(resident), self.holdings(plan), survivors=sorted(members))
-        return self._transition(decision, plan, members, None, manifest, None)
+        return self._transition(decision, decision.chosen.plan, members, None, manifest(decision.chosen.plan), None)
 
     @_collector_paused()
     def reshape(self, resident: Plan, *, alive: set[int], speeds: Speeds, step_s: float, horizon_s: float,
@@ -189,15 +192,26 @@ class Coordinator:
         to tolerate them on ``resident`` (:func:`~chameleon.decision.selector.decide_slow`). ``step_s``: the step
         time measured on ``resident`` lately, at these speeds. Its ``resume_step`` is left to the caller."""
         estimate = estimate_step(self.profile, resident, reroute_slots=self.policy.reroute_slots, speeds=speeds).t_step
+        manifest = self._manifests(resident, alive)
         decision = decide_slow(self.profile, resident, speeds, policy=self.policy, planner=self._bounded(),
                                horizon_s=horizon_s, scale=step_s / estimate if estimate > 0 else 1.0,
                                idle=alive - set(resident.devices), fault_times=fault_times, elapsed_s=elapsed_s,
-                               tagless=self.tagless, **self._fallback(resident, saved, now))
+                               tagless=self.tagless, relayout_peak=self._peak(resident, manifest),
+                               **self._fallback(resident, saved, now))
         if decision.choice == "tolerate":
             return decision
-        plan = decision.chosen.plan
-        manifest = relayout_held(self.holdings(resident), self.holdings(plan), survivors=sorted(alive))
-        return self._transition(decision, plan, alive, None, manifest, None)
+        return self._transition(decision, decision.chosen.plan, alive, None, manifest(decision.chosen.plan), None)
+
+    def _manifests(self, resident: Plan, survivors: set[int]) -> Callable[[Plan], Manifest]:
+        """The manifest from ``resident`` onto a plan, moving state among ``survivors``: built once per plan (the
+        selector's memory check and the transition share it)."""
+        held, alive = self.holdings(resident), sorted(survivors)
+        return cache(lambda plan: relayout_held(held, self.holdings(plan), survivors=alive))
+
+    def _peak(self, resident: Plan, manifest: Callable[[Plan], Manifest]) -> Callable[[Plan], float]:
+        """The most bytes a device needs while ``manifest``'s state moves from ``resident`` onto a plan."""
+        costs = self.profile.memory_costs
+        return lambda plan: max(relayout_memory(costs, manifest(plan), resident, plan).values(), default=0.0)
 
     def _transition(self, decision, plan, members, resume_step, manifest, checkpoint) -> Transition:
         return Transition(decision, plan, tuple(sorted(members)), resume_step, manifest, checkpoint)

@@ -27,7 +27,7 @@ plan of the same shape ran, and estimated on the measured scale elsewhere
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from chameleon.decision import estimator as est
@@ -352,6 +352,33 @@ def _best(options: list[Candidate]) -> Candidate:
     return min(feasible, key=lambda c: (-c.score, c.transition)) if feasible else options[0]
 
 
+RelayoutPeak = Callable[[Plan], float]
+"""The most bytes any device needs while the state moves onto a plan (old state, new shards and packed buffers at
+once: :func:`chameleon.layout.memory.relayout_memory`); the caller knows the tensors, the selector only plans."""
+
+
+def _relayout_check(profile: Profile, plan: Plan, peak: RelayoutPeak | None) -> Callable[[Candidate], str]:
+    """Why a candidate's re-layout from ``plan`` would run out of memory ('' where it fits). A reload from a
+    checkpoint and staying on ``plan`` move no state; without ``peak`` nothing is checked."""
+    def why(c: Candidate) -> str:
+        if peak is None or c.name == "checkpoint" or c.plan == plan:
+            return ""
+        need = peak(c.plan)
+        return (f"its re-layout needs {need / 1e9:.1f} GB > {profile.memory_bytes / 1e9:.1f} GB per device at its "
+                "peak (old state, new shards and packed buffers at once)" if need > profile.memory_bytes else "")
+    return why
+
+
+def _fit_relayout(cands: Sequence[Candidate], pick: Callable[[list[Candidate]], Candidate | None],
+                  why: Callable[[Candidate], str]) -> tuple[Candidate | None, tuple[Candidate, ...]]:
+    """``pick``'s choice among ``cands``, picked again without it, made infeasible, while its re-layout does not fit
+    (``why`` says so); the candidates as weighed. Only the chosen is checked: its manifest is the one the run needs."""
+    cands = list(cands)
+    while (best := pick(cands)) is not None and best.feasible and (reason := why(best)):
+        cands = [replace(c, feasible=False, why=reason, score=-math.inf) if c is best else c for c in cands]
+    return best, tuple(cands)
+
+
 def replans(planner: Planner, units: list[tuple[int, ...]], *, n_micro: int, micro_batch_size: int,
             previous: Plan | None, precomputed: Plan | None = None,
             domains: tuple[tuple[int, ...], ...] | None = None,
@@ -520,14 +547,17 @@ def decide(
     tp_sizes: Collection[int] = (),
     speeds: est.Speeds = est.EVEN,
     tagless: bool = False,
+    relayout_peak: RelayoutPeak | None = None,
 ) -> Decision:
     """Weigh every candidate by Eq. 8 and the next fault's cost, and choose; a forced ``policy.name`` restricts the choice.
 
     ``checkpoint_interval_s`` (seconds between checkpoints, None: none scheduled)
     and ``domains`` (devices that fail together, None: each alone) feed the next
     fault's cost (:class:`Fallback`); ``idle`` are live devices ``plan`` leaves
-    idle; ``measured``: step times measured in this run. A forced policy that is infeasible falls back to the best
-    feasible candidate, and the note says so; with none feasible, the note says what no survivor holds.
+    idle; ``measured``: step times measured in this run; ``relayout_peak``: the most memory a device needs while
+    the state moves onto a plan (:func:`_relayout_check`; None: not checked). A forced policy that is infeasible
+    falls back to the best feasible candidate, and the note says so; with none feasible, the note says what no
+    survivor holds.
     """
     if policy.name not in list(Policy):
         raise ValueError(f"policy.name={policy.name!r}: use {', '.join(Policy)}")
@@ -538,16 +568,17 @@ def decide(
         checkpoint_age_s=checkpoint_age_s, precomputed=precomputed, in_process=in_process, fallback=fallback,
         idle=idle, measured=measured, tp_sizes=tp_sizes, speeds=speeds, tagless=tagless,
     )
-    feasible = [c for c in cands if c.feasible]
+
+    def pick(cs: list[Candidate]) -> Candidate | None:
+        feasible = [c for c in cs if c.feasible]
+        pool = [c for c in feasible if c.name == policy.name] or feasible
+        return min(pool, key=lambda c: (-c.score, c.transition, c.name)) if pool else None
+
+    best, cands = _fit_relayout(cands, pick, _relayout_check(profile, plan, relayout_peak))
     note = ""
-    if policy.name != "chameleon":
-        forced = [c for c in feasible if c.name == policy.name]
-        if forced:
-            feasible = forced
-        else:
-            why = next(c.why for c in cands if c.name == policy.name)
-            note = f"forced policy {policy.name} is infeasible ({why}); chose by Eq. 8 instead"
-    best = min(feasible, key=lambda c: (-c.score, c.transition, c.name)) if feasible else None
+    if policy.name != "chameleon" and (best is None or best.name != policy.name):
+        why = next(c.why for c in cands if c.name == policy.name)
+        note = f"forced policy {policy.name} is infeasible ({why}); chose by Eq. 8 instead"
     if best is None and not note:
         geometry = geometry_of(plan)
         lost = geometry.lost(failed)
@@ -609,6 +640,7 @@ def decide_slow(
     domains: tuple[tuple[int, ...], ...] | None = None,
     in_process: bool = False,
     tagless: bool = False,
+    relayout_peak: RelayoutPeak | None = None,
 ) -> Decision:
     """How to train on with slow devices (``speeds``; empty: every device is back to speed), by Eq. 8.
 
@@ -619,6 +651,7 @@ def decide_slow(
     the window the slowness is expected to last (``horizon_s``, at most the time to the next fault); step times
     are estimated at these speeds on the measured ``scale`` (measured ÷ estimated on the running plan, at these
     speeds: a plan's earlier measurements were taken at others). Ties go to the smaller transition.
+    ``relayout_peak``: as :func:`decide`'s.
     """
     d_s, source = estimate_d(policy, fault_times=list(fault_times), elapsed_s=elapsed_s)
     horizon = min(d_s, horizon_s) if speeds else d_s
@@ -652,7 +685,10 @@ def decide_slow(
 
     cands = (_finish("tolerate", profile, plan, {}, **common), _built("rebalance", rebalance),
              _built("relayer", relayer), _built("replan", lambda: replan("replan", units)), _built("evict", evict))
-    best = min((c for c in cands if c.feasible), key=lambda c: (-c.score, c.transition, c.name), default=cands[0])
+    best, cands = _fit_relayout(
+        cands, lambda cs: min((c for c in cs if c.feasible), key=lambda c: (-c.score, c.transition, c.name),
+                              default=cs[0]),
+        _relayout_check(profile, plan, relayout_peak))
     slow = ", ".join(f"{d} ×{f:.2f}" for d, f in sorted(speeds.items())) or "none any more"
     return Decision(policy.name, tuple(sorted(speeds)), horizon,
                     f"the slowness's expected remaining {horizon_s:.0f} s, at most D ({source})" if speeds else source,
@@ -674,6 +710,7 @@ def decide_growth(
     in_process: bool = False,
     precomputed: Plan | None = None,
     measured: Measured = Measured(),
+    relayout_peak: RelayoutPeak | None = None,
 ) -> Decision:
     """Whether devices that came back should join: ``stay`` on ``plan`` or ``grow`` onto a re-plan over every
     stage unit (:func:`replans`), by the same reasoning as a fault (the transition against faster steps until
@@ -685,6 +722,7 @@ def decide_growth(
         joining: the returning devices (and any other live device ``plan`` leaves idle).
         precomputed: the planner's best plan over every unit, if already searched.
         measured: step times measured in this run (the plans that ran are options too).
+        relayout_peak: as :func:`decide`'s.
     """
     d_s, source = estimate_d(policy, fault_times=list(fault_times), elapsed_s=elapsed_s)
     fallback = Fallback(checkpoint_age_s, checkpoint_interval_s, elapsed_s, domains, in_process)
@@ -700,8 +738,10 @@ def decide_growth(
             raise PlanError("no plan puts a device back to work that the running plan leaves out")
         return _best([_moved("grow", profile, plan, new, {"search": search_s}, **common) for new, search_s in working])
 
-    cands = (stay, _built("grow", grow))
-    feasible = [c for c in cands if c.feasible and (policy.name == "chameleon" or c.name == "grow")] or [stay]
-    best = max(feasible, key=lambda c: (c.score, c.name == "stay"))
+    def pick(cs: list[Candidate]) -> Candidate:
+        feasible = [c for c in cs if c.feasible and (policy.name == "chameleon" or c.name == "grow")] or [stay]
+        return max(feasible, key=lambda c: (c.score, c.name == "stay"))
+
+    best, cands = _fit_relayout((stay, _built("grow", grow)), pick, _relayout_check(profile, plan, relayout_peak))
     joined = sorted(joining)
     return Decision(policy.name, tuple(joined), d_s, source, best.name, cands, f"devices {joined} returned")

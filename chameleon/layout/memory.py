@@ -18,6 +18,9 @@ working set on the last stage, the gradient copy a synced stage's buckets hold t
 last backward, and the optimizer's denominator. Beside the peak, a device holds
 :class:`DeviceOverheads`: the runtime's context, each communicator's buffers and the
 allocator's reserve.
+
+A re-layout has its own peak (:func:`relayout_memory`): a device reads its old state until the whole manifest is
+done, so it holds that, the new shards it fills and one round's packed buffers at once.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from chameleon.layout.geometry import UnitParams, per_device
+from chameleon.layout.geometry import MIGRATE_BYTES, UnitParams, per_device
 from chameleon.layout.plan import Plan
+from chameleon.layout.relayout import Manifest
+from chameleon.layout.spec import Region, region_numel
 from chameleon.optim import GROUP_ELEMS
 
 GRAD_BYTES = 4  # fp32 gradients: what a sync bucket copies per parameter, and the optimizer's denominator per element
@@ -100,8 +105,16 @@ def stage_memory(costs: MemoryCosts, n_layers: int, *, first: bool, last: bool, 
         acts + working + params * GRAD_BYTES if synced else 0.0,
         min(params, GROUP_ELEMS) * GRAD_BYTES,
     )
-    over = costs.overheads
-    communicators = synced + (not first) + (not last) + (tp > 1)
+    return _with_overheads(costs.overheads, peak, _groups(synced=synced, first=first, last=last, tp=tp))
+
+
+def _groups(*, synced: bool, first: bool, last: bool, tp: int) -> int:
+    """The groups a device of a stage is in: its DP sync, a pair with each neighbouring stage, its TP group."""
+    return synced + (not first) + (not last) + (tp > 1)
+
+
+def _with_overheads(over: DeviceOverheads, peak: float, communicators: int) -> float:
+    """``peak`` bytes of tensors with the allocator's reserve on them, the context and ``communicators``' buffers."""
     return peak * (1 + over.reserve) + over.context + communicators * over.per_communicator
 
 
@@ -125,3 +138,46 @@ def plan_memory(costs: MemoryCosts, plan: Plan) -> dict[int, float]:
             for d in st.devices:
                 need[d] = mem
     return need
+
+
+def communicators(plan: Plan) -> dict[int, int]:
+    """The groups each device of ``plan`` is in (:func:`_groups`; a plan of several pipelines syncs every stage)."""
+    synced = len(plan.pipelines) > 1
+    return {d: _groups(synced=synced, first=s == 0, last=s == p.n_stages - 1, tp=max(st.tp, 1))
+            for p in plan.pipelines for s, st in enumerate(p.stages) for d in st.devices}
+
+
+def relayout_memory(costs: MemoryCosts, manifest: Manifest, old: Plan, new: Plan,
+                    moved_bytes: int = MIGRATE_BYTES) -> dict[int, float]:
+    """Bytes each device that sends, receives or changes in ``manifest`` (``old`` → ``new``) needs at a re-layout's
+    peak, as :func:`~chameleon.runtime.worker.transfer.execute_manifest` runs it (``moved_bytes`` per element: the
+    weight and the moments a move carries).
+
+    The old state is read until the manifest is done (:attr:`MemoryCosts.state_bytes_per_param` per element it held,
+    its gradient counted); a device that changes fills new shards beside it; each round it packs what it sends on
+    its one outgoing link and receives what comes on its one incoming link. Its groups of both generations hold their
+    buffers (a broken one's until every survivor has left it). Kept devices that send nothing need nothing more than
+    before, and are left out.
+    """
+    numel: dict[int, int] = {}  # by the id of a dict of regions, which devices of a stage share
+
+    def held(regions: dict[str, Region]) -> int:
+        if id(regions) not in numel:
+            numel[id(regions)] = sum(region_numel(r) for r in regions.values())
+        return numel[id(regions)]
+
+    buffers: dict[int, int] = {}
+    for moves in manifest.rounds:
+        links: dict[int, int] = {}  # each device's bytes this round: at most one link out and one in
+        for m in moves:
+            links[m.src] = links.get(m.src, 0) + m.nbytes
+            links[m.dst] = links.get(m.dst, 0) + m.nbytes
+        for d, n in links.items():
+            buffers[d] = max(buffers.get(d, 0), n)
+    before, after = communicators(old), communicators(new)
+    out = {}
+    for d in manifest.before.keys() | manifest.after.keys():
+        state = held(manifest.before.get(d, {})) * costs.state_bytes_per_param
+        fresh = 0 if d in manifest.kept else held(manifest.after.get(d, {})) * moved_bytes
+        out[d] = _with_overheads(costs.overheads, state + fresh + buffers.get(d, 0), before.get(d, 0) + after.get(d, 0))
+    return out

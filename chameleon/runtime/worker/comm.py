@@ -459,4 +459,6 @@ class _Waiter:
                 pending.result = pending.fn()
             except BaseException as err:  # noqa: BLE001 - handed to the main thread
                 pending.error = err
+            pending.fn = None  # the call and what it holds (a work and its tensor) go now, not with the next call
             pending.done.set()
+            del pending

@@ -108,23 +108,33 @@ def execute_manifest(
             continue
         if on_round is not None:
             on_round(r)
-        header = torch.tensor([float(stamp)], dtype=dtype, device=device)
-        sends = {dst: torch.cat([header] + [_source(state[kind], before, m).reshape(-1) for m in out for kind in kinds])
-                 for dst, out in outgoing.items()}
-        receives = {src: torch.empty(1 + sum(region_numel(m.region) for m in into) * len(kinds), dtype=dtype,
-                                     device=device) for src, into in incoming.items()}
-        links.exchange(sends, receives)
-        for src, into in incoming.items():
-            buffer = receives[src]
-            if buffer[0].item() != stamp:
-                raise StaleTransfer(f"device {src} sent state stamped generation {buffer[0].item():g}, not {stamp}")
-            offset = 1
-            for m in into:
-                n = region_numel(m.region)
-                for kind in kinds:
-                    _target(new[kind], after, m).copy_(buffer[offset : offset + n].view(region_shape(m.region)))
-                    offset += n
+        _exchange(outgoing, incoming, state=state, new=new, before=before, after=after, links=links, dtype=dtype,
+                  device=device, stamp=stamp)
     return new
+
+
+def _exchange(outgoing: Mapping[int, list[Move]], incoming: Mapping[int, list[Move]], *, state, new, before, after,
+              links: PointToPoint, dtype: torch.dtype, device: torch.device | str, stamp: int) -> None:
+    """One round of a device: pack what it sends, exchange, unpack what it received into ``new``. Its buffers are
+    freed on return, before the next round packs its own (one round's buffers at a time, as the memory model
+    counts them)."""
+    kinds = sorted(state)
+    header = torch.tensor([float(stamp)], dtype=dtype, device=device)
+    sends = {dst: torch.cat([header] + [_source(state[kind], before, m).reshape(-1) for m in out for kind in kinds])
+             for dst, out in outgoing.items()}
+    receives = {src: torch.empty(1 + sum(region_numel(m.region) for m in into) * len(kinds), dtype=dtype,
+                                 device=device) for src, into in incoming.items()}
+    links.exchange(sends, receives)
+    for src, into in incoming.items():
+        buffer = receives[src]
+        if buffer[0].item() != stamp:
+            raise StaleTransfer(f"device {src} sent state stamped generation {buffer[0].item():g}, not {stamp}")
+        offset = 1
+        for m in into:
+            n = region_numel(m.region)
+            for kind in kinds:
+                _target(new[kind], after, m).copy_(buffer[offset : offset + n].view(region_shape(m.region)))
+                offset += n
 
 
 def _source(held: Mapping[str, torch.Tensor], before: Mapping[str, Region], move: Move) -> torch.Tensor:
