@@ -106,7 +106,7 @@ def main() -> None:
     from chameleon.model.config import ModelConfig
     from chameleon.model.spec import spec_of
 
-    header("gloo, 4 worker processes, 1 thread each, MALLOC_MMAP_THRESHOLD_=131072")
+    header("gloo, 4 worker processes, 1 thread each, " + " ".join(f"{k}={v}" for k, v in LIVE.items()))
     cfg = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=8, n_kv_heads=4, vocab_size=args.vocab,
                       multiple_of=64)
     print(f"model: dim {args.dim}, {args.n_layers} layers, vocab {args.vocab}; state fp32 (weight, gradient, two "
