@@ -58,6 +58,9 @@ def test_workers_sharing_one_gpu_over_gloo_recover_a_kill(tmp_path, dtype):
     for run in (clean, faulty):
         assert run.returncode == 0, run.stderr
     assert faulty.summary["recoveries"] and faulty.summary["sample_ids_digest"] == clean.summary["sample_ids_digest"]
+    peaks = clean.summary["device_peak_mb"]  # each allocator's, beside the model's estimate
+    assert set(peaks) == set(clean.summary["memory_estimate_mb"])
+    assert all(0 < p["allocated"] <= p["reserved"] for p in peaks.values()), peaks
     tolerance = 1e-5 if dtype == "fp32" else BF16_LOSS_TOLERANCE
     for a, b in zip(faulty.summary["losses"], clean.summary["losses"], strict=True):
         assert abs(a - b) <= tolerance * abs(b)

@@ -125,5 +125,6 @@ def test_each_worker_records_its_peak_beside_the_estimate(tmp_path):
         peaks, estimate = run.summary["peak_rss_mb"], run.summary["memory_estimate_mb"]
         assert set(peaks) == set(estimate) == {"0", "1"}
         assert all(peaks[d] > estimate[d] > 0 for d in peaks), (peaks, estimate)
+        assert run.summary["device_peak_mb"] == {}  # an allocator's peaks on accelerators only
         estimates[mode] = estimate
     assert all(estimates["full"][d] < estimates["none"][d] for d in estimates["none"])

@@ -180,7 +180,8 @@ class Controller:
             plan=core.resident.describe(), generations=core.generation + 1, world_size=core.world,
             nnodes=self.config.launcher.nnodes, wall_s=t_end - core.t0, time_breakdown=parts,
             startup_s=(core.t_train - core.t0) if core.t_train else None, store_ops=core.store_ops,
-            peak_rss=core.peak_rss, memory_estimate=self._memory_estimate(core.resident),
+            peak_rss=core.peak_rss, allocator_peaks=core.allocator_peaks,
+            memory_estimate=self._memory_estimate(core.resident),
         )
 
     def _memory_estimate(self, plan: Plan) -> dict[int, float]:

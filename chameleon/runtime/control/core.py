@@ -196,6 +196,7 @@ class Core:
         self.done: set[int] = set()
         self.store_ops: dict[int, int] = {}  # per device that finished: its operations on the store
         self.peak_rss: dict[int, int] = {}  # per device that finished: its peak resident memory, bytes
+        self.allocator_peaks: dict[int, tuple[int, int]] = {}  # per accelerator that finished: allocated, reserved
         self.final: dict[int, dict] = {}
         self.ran: dict[tuple, tuple[Plan, list[float]]] = {}  # by plan shape: the plan and its steady step times
         self.resident_times: list[float] = []
@@ -432,6 +433,8 @@ class Core:
                 self.done.add(msg.device)
                 self.store_ops[msg.device] = msg.store_ops
                 self.peak_rss[msg.device] = msg.peak_rss
+                if msg.device_reserved:
+                    self.allocator_peaks[msg.device] = (msg.device_allocated, msg.device_reserved)
             case _:
                 raise TrainingError(f"unexpected message {msg!r}")
 

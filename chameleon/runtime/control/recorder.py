@@ -129,7 +129,8 @@ class Recorder:
 
     def summary(self, *, recoveries: list[dict], growths: list[dict], reshapes: list[dict], plan: str, generations: int,
                 world_size: int, nnodes: int, wall_s: float, startup_s: float | None, time_breakdown: dict[str, float],
-                store_ops: dict[int, int], peak_rss: dict[int, int], memory_estimate: dict[int, float]) -> Path:
+                store_ops: dict[int, int], peak_rss: dict[int, int], allocator_peaks: dict[int, tuple[int, int]],
+                memory_estimate: dict[int, float]) -> Path:
         """Write ``summary.json`` (every step must have committed); return its path.
 
         Raises:
@@ -170,6 +171,9 @@ class Recorder:
             "ettr": ettr(time_breakdown),  # effective training time: productive ÷ wall
             "store_ops": {str(d): n for d, n in sorted(store_ops.items())},  # each worker's, all process-group rendezvous
             "peak_rss_mb": {str(d): n / 2**20 for d, n in sorted(peak_rss.items())},  # each worker's resident peak
+            # on accelerators, each allocator's peaks (max_memory_allocated, max_memory_reserved); none on CPUs
+            "device_peak_mb": {str(d): {"allocated": a / 2**20, "reserved": r / 2**20}
+                               for d, (a, r) in sorted(allocator_peaks.items())},
             # the memory model's (Eq. 14) for each device of the final plan: state and activations, no runtime
             "memory_estimate_mb": {str(d): n / 2**20 for d, n in sorted(memory_estimate.items())},
         })

@@ -245,12 +245,15 @@ class FinalShards:
 @dataclass(frozen=True)
 class Done:
     """A worker finished, after ``store_ops`` operations on the controller's store, its resident memory having
-    peaked at ``peak_rss`` bytes."""
+    peaked at ``peak_rss`` bytes and, on an accelerator, its allocator at ``device_allocated`` bytes handed out and
+    ``device_reserved`` held (0 on a CPU)."""
 
     device: int
     generation: int
     store_ops: int = 0
     peak_rss: int = 0
+    device_allocated: int = 0
+    device_reserved: int = 0
 
 
 # ----- agent → controller ---------------------------------------------------------------------

@@ -59,6 +59,15 @@ def prepare_device(kind: str, *, local_rank: int, own_device: bool = False) -> t
     return torch.device(kind, index)
 
 
+def allocator_peaks(device: torch.device) -> tuple[int, int]:
+    """The bytes an accelerator's allocator handed out and held at most (``max_memory_allocated``,
+    ``max_memory_reserved``) on ``device``; (0, 0) on a CPU, whose peak is the process's resident memory."""
+    if device.type == "cpu":
+        return 0, 0
+    module = device_module(device.type)
+    return module.max_memory_allocated(device), module.max_memory_reserved(device)
+
+
 def is_device_fault(error: BaseException, phase: Phase) -> bool:
     """True when ``error``, met in ``phase``, loses this worker's device (handled as the loss of that device).
 

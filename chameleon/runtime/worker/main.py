@@ -79,7 +79,7 @@ from chameleon.runtime.protocol.timeouts import Timeouts
 from chameleon.runtime.protocol.topology import Topology
 from chameleon.runtime.worker.comm import ABANDONED, Generation, PeerFailure, connect_store, store_ops
 from chameleon.runtime.worker.completion import apply_library_policy
-from chameleon.runtime.worker.device import is_device_fault, prepare_device, self_test
+from chameleon.runtime.worker.device import allocator_peaks, is_device_fault, prepare_device, self_test
 from chameleon.runtime.worker.schedule import evaluate, run_step
 from chameleon.runtime.worker.stage import StageState, role_of, stage_regions
 from chameleon.runtime.worker.transfer import execute_manifest
@@ -295,11 +295,11 @@ def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> Non
             mine = {n: shard for n, shard in state.shards().items() if n in written}
             uplink.send(FinalShards(me, generation, mine))
         beacon.at("done")
-        uplink.send(Done(me, generation, store_ops(), _peak_rss()))
+        uplink.send(Done(me, generation, store_ops(), _peak_rss(), *allocator_peaks(device)))
         generation, done = generation + 1, True  # wait for the end: a fault now (in a peer's last validation) needs it
     if not done:
         beacon.at("done")
-        uplink.send(Done(me, generation, store_ops(), _peak_rss()))
+        uplink.send(Done(me, generation, store_ops(), _peak_rss(), *allocator_peaks(device)))
 
 
 def _peak_rss() -> int:
