@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/bench_control_plane.py [--devices N ...] [--json FILE] [--plot PNG] [--quick] [--step-s 0.5]
+                                             [--after 14]
     python benchmarks/bench_control_plane.py --report FILE [--plot PNG]
 
 For each size (64 → 8,192 devices, 8 per node; ``--devices`` picks sizes) it starts the
@@ -19,7 +20,8 @@ controller's loop when its emulated workers' next report is due.
 
 Each run trains ``WARM + WINDOW`` steps, closes the last node's link as the kernel
 does when an agent is SIGKILLed, lets the job recover, brings the node back with the
-registration a restarted agent makes, lets the job grow back, and ends. Per size:
+registration a restarted agent makes, lets the job grow back, and ends ``--after`` steps after the
+fault (more at 8,192 devices, where the growth is decided after the steps of the default). Per size:
 
 - ``commit_overhead_ms_p50/p99``: a commit's publication minus the slowest device's
   ``Synced`` (``metrics.jsonl``'s ``commit_s``; one host, one clock) over the window's
@@ -92,7 +94,7 @@ SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 PER_NODE = 8
 NODES_PER_PROCESS = 256
 SECRET = "bench-control-plane"
-WARM, WINDOW, AFTER = 6, 20, 14  # steps before the measured window, in it, and from the fault to the end
+WARM, WINDOW, AFTER = 6, 20, 14  # steps before the measured window, in it, and from the fault to the end (default)
 BACK_AFTER = 4  # the lost node returns this many steps after its loss
 
 
@@ -463,9 +465,9 @@ def _free_ports() -> int:
                     continue
 
 
-def run_size(devices: int, *, step_s: float, window: int) -> dict:
+def run_size(devices: int, *, step_s: float, window: int, after: int = AFTER) -> dict:
     nodes = devices // PER_NODE
-    steps = WARM + window + AFTER
+    steps = WARM + window + after
     port = _free_ports()
     config, plan = config_for(devices, steps=steps, port=port)
     victim = nodes - 1
@@ -553,6 +555,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here (a list, one object per size)")
     parser.add_argument("--quick", action="store_true", help="64 devices, shorter steps and window (CI)")
     parser.add_argument("--step-s", type=float, default=0.5, help="an emulated step's duration")
+    parser.add_argument("--after", type=int, default=AFTER, help="steps from the fault to the job's end")
     parser.add_argument("--plot", help="draw each figure against the number of devices into this PNG")
     parser.add_argument("--report", help="run nothing: report the sizes a --json FILE holds (table, fit, plot)")
     args = parser.parse_args()
@@ -575,7 +578,7 @@ def main() -> None:
         header(f"real controller and agents, emulated workers, {PER_NODE} per node, {NODES_PER_PROCESS} nodes per emulator")
         results = []
         for devices in sizes:
-            results.append(run_size(devices, step_s=step_s, window=8 if args.quick else WINDOW))
+            results.append(run_size(devices, step_s=step_s, window=8 if args.quick else WINDOW, after=args.after))
             print(_row(results[-1]), flush=True)
             if args.json:  # kept size by size: a later size that cannot run loses nothing
                 Path(args.json).write_text(json.dumps(results, indent=1))
