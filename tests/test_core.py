@@ -143,11 +143,12 @@ def config(*overrides: str):
     return to_config(cfg), build_plan(cfg)
 
 
-def core_of(*overrides: str, clock: FakeClock | None = None, faults=(), decider: Executor | None = None) -> Core:
+def core_of(*overrides: str, clock: FakeClock | None = None, faults=(), decider: Executor | None = None,
+            planner: Executor | None = None) -> Core:
     cfg, plan = config(*overrides)
     profile = load_profile(cfg.model, cfg.cluster, micro_batch=2, seq_len=cfg.train.seq_len, tp=1)
     return Core(cfg, plan=plan, profile=profile, run_dir="/run", store_port=1234, ckpt_root=Path("/run/ckpt"),
-                saved=None, faults=list(faults), fired=[], planner=Inline(), decider=decider or Inline(),
+                saved=None, faults=list(faults), fired=[], planner=planner or Inline(), decider=decider or Inline(),
                 clock=clock or FakeClock())
 
 
@@ -532,6 +533,33 @@ def test_a_growth_onto_devices_back_is_decided_from_the_precomputed_plans():
     (told,) = of(out, GrowingBack)
     assert told.devices == (2, 3) and set(core.spec.devices) == {0, 1, 2, 3}
     assert [set(p._searched) for p in planners] == searched, "a growth onto the devices away needs no search"
+
+
+def test_a_node_back_to_the_plan_it_left_is_decided_while_the_precompute_still_runs():
+    """The planner's lane busy (a precompute of thousands of devices takes seconds): devices back to exactly the
+    devices of the plan that ran before their loss are decided from that plan (and the options it brings), on the
+    decisions' lane, and the job grows back."""
+    clock, planner = FakeClock(), ByHand()
+    core = started(core_of("policy.name=dynamic", "train.steps=10", clock=clock, planner=planner))
+    before = core.resident
+    for k in range(5):  # three steady steps measured
+        clock.advance(0.5)
+        step(core, k)
+    core.handle(Lost(1, "gone"))
+    g = core.generation
+    core.handle(Received(0, NodeReady(0, g, (0, 1))))  # the next generation starts: its precompute is queued
+    step(core, 5, nodes=(0,), norm=(1.0,))
+    queued = len(planner.jobs)
+    core.handle(Registered(hello(core, 1, returning=True)))
+    for d in (2, 3):
+        core.handle(Received(1, Standby(d, g)))
+    clock.advance(1.0)
+    core.handle(Tick())
+    assert len(planner.jobs) == queued, "nothing more waits on the planner's lane"
+    out = step(core, 6, nodes=(0,), norm=(1.0,))
+    (told,) = of(out, GrowingBack)
+    assert told.devices == (2, 3) and set(core.spec.devices) == set(before.devices) == {0, 1, 2, 3}
+    assert all(f.cancelled() or not f.done() for f, *_ in planner.jobs), "decided while the precompute is still queued"
 
 
 @pytest.mark.parametrize(("device", "backend", "tagless"), [("cpu", None, False), ("cuda", "gloo", False),

@@ -772,11 +772,11 @@ class Core:
     # ----- growing back and slow devices ------------------------------------------------------------
 
     def _consider_growth(self) -> None:
-        """Returned devices: decide in the planner's thread whether growing onto them pays."""
+        """Returned devices: decide in the background whether growing onto them pays (:meth:`Grower.consider`)."""
         if self._settled():
             self.growth.consider(self.membership.standby, restarting=bool(self.membership.of(Lifecycle.restarting)),
                                  now=self.clock.wall(), resident=self.resident,
-                                 ahead=self._ahead(), parcel=self._parcel(),
+                                 ahead=self._ahead(), ready=self._precomputed() is not None, parcel=self._parcel(),
                                  context=lambda: {**self._context(), "measured": self._measured()})
 
     def _switch(self, grown: Transition, parcels: Parcels | None) -> int:

@@ -1,4 +1,5 @@
-"""Growing back onto returned devices: whether it pays is decided in the planner's thread; a growth that pays
+"""Growing back onto returned devices: whether it pays is decided in the planner's thread (in the decisions', back
+onto a plan that ran while the planner still precomputes); a growth that pays
 switches at the next step boundary, and its timeline closes at the first commit on the grown plan."""
 
 from __future__ import annotations
@@ -35,18 +36,21 @@ class Grower:
         self.done: list[Growth] = []
 
     def consider(self, standby: Mapping[int, float], *, restarting: bool, now: float, resident: Plan,
-                 ahead: int | None, parcel: Parcelling, context: Callable[[], dict]) -> None:
+                 ahead: int | None, ready: bool, parcel: Parcelling, context: Callable[[], dict]) -> None:
         """Devices on ``standby`` (since when each is back): decide on growing ``resident`` onto them with
-        ``context()`` on the planner's lane (:class:`~chameleon.runtime.control.planning.Grow`, from the precompute
-        ``ahead``; a growth's moves encoded there too, by ``parcel``), once no device is ``restarting`` or the last
-        came back ``GROW_SETTLE_S`` ago."""
+        ``context()`` (:class:`~chameleon.runtime.control.planning.Grow`; a growth's moves encoded there too, by
+        ``parcel``), once no device is ``restarting`` or the last came back ``GROW_SETTLE_S`` ago: from the
+        precompute ``ahead`` on the planner's lane, or — the precompute not ``ready`` and a plan having run on
+        exactly the devices the growth would use (``context()["measured"]``) — from that plan, on the decisions'
+        lane, without waiting."""
         joining = frozenset(standby)
         if not joining or joining == self.declined or self.background.busy:
             return
         if restarting and now - max(standby.values()) < GROW_SETTLE_S:
             return  # a node's devices come back together: wait a moment for the rest
-        self.background.submit(resident, joining, Grow(resident, ahead, parcel, {"joining": set(joining),
-                                                                                  **context()}))
+        kwargs = {"joining": set(joining), **context()}
+        ran = None if ready else kwargs["measured"].ran_on(set(resident.devices) | joining | kwargs["alive"])
+        self.background.submit(resident, joining, Grow(resident, ahead, parcel, kwargs, ran))
 
     def ripe(self, resident: Plan, standby: Mapping[int, float],
              now: float) -> tuple[Transition, Parcels | None] | None:

@@ -134,12 +134,19 @@ class Precompute(Request):
 @dataclass(frozen=True)
 class Grow(Request):
     """:meth:`Coordinator.grow` from the precomputed shape over every stage unit with the devices back, placed
-    (``ahead``: the precompute for ``resident``, if any: on the same lane, it ran before), and its moves encoded."""
+    (``ahead``: the precompute for ``resident``, if any: on the same lane, it ran before), and its moves encoded.
+    Given ``ran`` (a plan that ran on exactly those devices, the precompute not yet finished), from that plan instead,
+    on the decisions' lane: a node back to where it was is decided without waiting for the precompute."""
 
     resident: Plan
     ahead: int | None
     parcel: Parcelling
     kwargs: dict = field(default_factory=dict)
+    ran: Plan | None = None
+
+    @property
+    def lane(self) -> str:
+        return PLANNER if self.ran is None else DECIDER
 
     def run(self, shop: Workshop) -> tuple[Transition | Decision, Parcels | None]:
         return parcelled(self._grow, self.parcel, shop)
@@ -147,7 +154,7 @@ class Grow(Request):
     def _grow(self, shop: Workshop) -> Transition | Decision:
         kwargs = self.kwargs
         devices = set(self.resident.devices) | kwargs["joining"] | kwargs["alive"]
-        placed = placed_ahead(shop.ahead.get(self.ahead), self.resident, devices, shop.coordinator.profile)
+        placed = self.ran or placed_ahead(shop.ahead.get(self.ahead), self.resident, devices, shop.coordinator.profile)
         return shop.coordinator.grow(self.resident, precomputed=placed, **kwargs)
 
 
