@@ -5,11 +5,12 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import threading
 
 import pytest
 
 from chameleon.decision import estimator as est
-from chameleon.decision.planner import Planner, place, precompute
+from chameleon.decision.planner import Gate, Planner, place, precompute
 from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage, even_plan, validate_plan
 from tests.test_decision_estimator import tiny_profile
@@ -154,7 +155,7 @@ def test_an_ample_budget_finds_the_unbounded_plan_and_shares_the_cache():
     got = bounded.best(units, n_micro=64, micro_batch_size=2).estimate.t_step
     assert not bounded.expired and (13, 64) in planner._searched
     assert got == pytest.approx(Planner(prof).best(units, n_micro=64, micro_batch_size=2).estimate.t_step, rel=1e-12)
-    assert planner.within(None) is planner
+    assert planner.within(None) is planner  # no gate to leave out: the planner itself
 
 
 def test_a_budget_spent_before_any_plan_names_the_key(monkeypatch):
@@ -171,3 +172,23 @@ def test_a_decisions_later_searches_reuse_what_its_budget_found(monkeypatch):
     units = [(d,) for d in range(31)]
     first = bounded.choose(units, n_micro=64, micro_batch_size=2)
     assert bounded.expired and bounded.choose(units, n_micro=64, micro_batch_size=2) == first
+
+
+def test_a_search_ahead_of_need_waits_while_a_decision_holds_the_gate():
+    """A precompute's planner has the workshop's gate; while a decision holds it closed, the precompute's search
+    waits at its next step, and the decision's planner (``within``, even unbounded) never does."""
+    prof = tiny_profile(n_layers=8, memory_gb=0.006)
+    units = [(d,) for d in range(31)]
+    ahead, gate = Planner(prof), Gate()
+    ahead.gate = gate
+    finished = threading.Event()
+    with gate.closed():
+        for budget in (None, 3600.0):
+            deciding = ahead.within(budget)
+            assert deciding.gate is None and deciding.replicated.gate is None
+        deciding.best([(d,) for d in range(13)], n_micro=64, micro_batch_size=2)  # while the gate is closed
+        searching = threading.Thread(target=lambda: (ahead.search(len(units), 64), finished.set()), daemon=True)
+        searching.start()
+        assert not finished.wait(0.5), "the search ahead of need waits for the decision"
+    assert finished.wait(60), "and goes on once it is done"
+    assert (31, 64) in ahead._searched

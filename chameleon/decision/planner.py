@@ -28,7 +28,8 @@ Two searches cover the space:
   ``top_k``, which are then re-scored with the exact estimator.
 
 A search may be bounded in time (:meth:`Planner.within`): when its budget runs out it
-returns the best partitions found so far, an anytime answer that is not cached.
+returns the best partitions found so far, an anytime answer that is not cached. A search ahead of need (a
+precompute) may give way to decisions (:class:`Gate`): it waits at its next step while one runs.
 
 Both search under the job's activation recomputation (the profile's). When nothing fits so, the same search runs
 with every stage recomputing as much as the profile prices (:attr:`Planner.recomputing`). Either way the plan built
@@ -41,7 +42,9 @@ from __future__ import annotations
 import copy
 import heapq
 import itertools
+import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
@@ -276,6 +279,27 @@ class _Expired(Exception):
     """A bounded search ran out of its budget."""
 
 
+class Gate:
+    """Searches ahead of need give way to decisions: while a decision holds the gate closed (:meth:`closed`), a
+    search of a planner that has this gate waits at its next step (:meth:`Planner.within` gives decisions a planner
+    without it), so the decision has the process's interpreter to itself."""
+
+    def __init__(self):
+        self._open = threading.Event()
+        self._open.set()
+
+    @contextlib.contextmanager
+    def closed(self):
+        self._open.clear()
+        try:
+            yield
+        finally:
+            self._open.set()
+
+    def wait(self) -> None:
+        self._open.wait()
+
+
 class Planner:
     """Algorithm 1 over one profile: exact on small spaces, fast on large ones; caches across calls.
 
@@ -309,20 +333,24 @@ class Planner:
         self._searched: dict[tuple[int, int], list] = {}
         self.deadline: float | None = None  # time.perf_counter() past which a search returns what it has
         self.expired = False  # a search of this (bounded) planner ran out of time
+        self.gate: Gate | None = None  # searches ahead of need wait at it while a decision runs
         self._cut: dict[tuple[int, int], list] = {}  # its searches cut short: reused by its own later calls only
 
     def within(self, budget_s: float | None) -> "Planner":
-        """This planner, sharing its caches, whose searches stop ``budget_s`` seconds from now with the best
-        they found (None: unbounded, this planner itself)."""
-        if budget_s is None:
+        """This planner for a decision, sharing its caches, whose searches stop ``budget_s`` seconds from now with
+        the best they found (None: unbounded; this planner itself when it has no :class:`Gate` to leave out)."""
+        if budget_s is None and self.gate is None:
             return self
         bounded, twin = copy.copy(self), copy.copy(self.replicated)
-        bounded.deadline = twin.deadline = time.perf_counter() + budget_s
+        bounded.deadline = twin.deadline = None if budget_s is None else time.perf_counter() + budget_s
         bounded._cut, twin._cut = {}, {}
+        bounded.gate = twin.gate = None
         bounded.__dict__["replicated"] = twin
         return bounded
 
     def _on_time(self) -> None:
+        if self.gate is not None:
+            self.gate.wait()
         if self.deadline is not None and time.perf_counter() > self.deadline:
             self.expired = True
             raise _Expired

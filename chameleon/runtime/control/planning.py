@@ -18,7 +18,7 @@ from typing import ClassVar, Protocol
 
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.coordinator import Coordinator, Transition
-from chameleon.decision.planner import Planner, Precomputed
+from chameleon.decision.planner import Gate, Planner, Precomputed
 from chameleon.decision.profiler import Profile
 from chameleon.decision.selector import Decision, precompute_replans
 from chameleon.layout.plan import Plan
@@ -86,14 +86,17 @@ def reframed(parcels: Parcels, generation: int) -> Parcels:
 
 class Workshop:
     """A planner and a coordinator, and the precomputes searched with them (by token: a request names the one it
-    places from). Each request runs on its lane's one thread; the two lanes share it."""
+    places from). Each request runs on its lane's one thread; the two lanes share it, and the decisions' goes first:
+    while it decides, the planner's searches wait (:class:`~chameleon.decision.planner.Gate`)."""
 
     def __init__(self, planner: Planner | None = None, coordinator: Coordinator | None = None):
         self.planner, self.coordinator = planner, coordinator
         self.ahead: dict[int, Precomputed] = {}
+        self.gate = Gate()  # closed while a decision runs: the precompute's searches wait
 
     def use(self, planner: Planner, coordinator: Coordinator) -> None:
         self.planner, self.coordinator = planner, coordinator
+        planner.gate = self.gate
         self.ahead = {}
 
     def keep(self, token: int, ahead: Precomputed) -> None:
@@ -102,7 +105,11 @@ class Workshop:
             del self.ahead[old]
 
     def serve(self, request: Request) -> object:
-        return request.run(self)
+        """Carry ``request`` out; a decision holds the planner's searches ahead of need (:class:`Gate`) meanwhile."""
+        if request.lane != DECIDER:
+            return request.run(self)
+        with self.gate.closed():
+            return request.run(self)
 
 
 class Request(ABC):
