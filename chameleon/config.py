@@ -337,8 +337,8 @@ def validate(cfg: DictConfig) -> Plan:
            f"launcher.timeout_s={launcher.timeout_s} / launcher.join_timeout_s={launcher.join_timeout_s}: must be > 0")
     check(launcher.nproc_per_node >= 1, f"launcher.nproc_per_node={launcher.nproc_per_node}: need at least one worker")
     n_devices = world_size(launcher)
-    for key in ("steps", "global_batch", "micro_batch", "seq_len"):
-        check(train[key] >= 1, f"train.{key}={train[key]}: must be ≥ 1")
+    check(train.steps >= 1, f"train.steps={train.steps}: must be ≥ 1")
+    check_batch(train)
     check(train.lr > 0, f"train.lr={train.lr}: must be > 0")
     check(train.bucket_mb > 0, f"train.bucket_mb={train.bucket_mb}: must be > 0 (MB per gradient bucket)")
     _check_arch(model_config(cfg))
@@ -489,6 +489,16 @@ def tags_honoured(launcher) -> bool:
     do neither: a plan with reroutes runs there only if :func:`~chameleon.layout.rendezvous.rendezvous_fault` finds
     its traffic safe (a plan without reroutes, as every launch plan, always is: docs/accelerators.md)."""
     return launcher.device == Device.cpu or launcher.backend == Backend.gloo
+
+
+def check_batch(train) -> None:
+    """The batch every entry point plans with: ``train.global_batch``, ``micro_batch`` and ``seq_len`` each ≥ 1.
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    for key in ("global_batch", "micro_batch", "seq_len"):
+        check(train[key] >= 1, f"train.{key}={train[key]}: must be ≥ 1")
 
 
 def check(ok: bool, message: str) -> None:

@@ -17,7 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 from chameleon import cli
-from chameleon.config import CONF_DIR, ConfigError, build_plan, model_config, register_configs, typed
+from chameleon.config import CONF_DIR, ConfigError, build_plan, check_batch, model_config, register_configs, typed
 from chameleon.decision.config import ClusterConfig, PlanQueryConfig, PolicyConfig
 from chameleon.decision.estimator import estimate_step, memory_per_device
 from chameleon.decision.planner import Planner
@@ -49,6 +49,7 @@ def check(cfg: DictConfig) -> None:
     query = typed(cfg, "plan", PlanQueryConfig)
     policy = typed(cfg, "policy", PolicyConfig)
     device_overheads(typed(cfg, "cluster", ClusterConfig))  # raises ValueError naming a key out of range
+    check_batch(cfg.train)
     devices = build_plan(cfg).devices
     failed = list(query.failed)
     if not failed:

@@ -32,7 +32,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from chameleon import cli
-from chameleon.config import CONF_DIR, ConfigError, FaultToleranceConfig, build_plan, model_config, register_configs, typed
+from chameleon.config import (
+    CONF_DIR, ConfigError, FaultToleranceConfig, build_plan, check_batch, model_config, register_configs, typed,
+)
 from chameleon.decision.config import ClusterConfig, PolicyConfig
 from chameleon.decision.profiler import device_overheads, load_profile
 from chameleon.layout.geometry import tp_units
@@ -72,6 +74,7 @@ def check(cfg: DictConfig) -> None:
     sim, trace = typed(cfg, "sim", SimConfig), typed(cfg, "trace", TraceConfig)
     cluster = typed(cfg, "cluster", ClusterConfig)
     device_overheads(cluster)  # raises ValueError naming a key out of range
+    check_batch(cfg.train)
     _require(sim.horizon_h > 0, f"sim.horizon_h={sim.horizon_h}: must be > 0")
     _require(sim.policies, f"sim.policies names nothing: pick from {', '.join(SimPolicy)}")
     _require(cluster.n_devices >= 1, f"cluster.n_devices={cluster.n_devices}: must be ≥ 1")

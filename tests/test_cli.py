@@ -89,6 +89,14 @@ def test_simulate_refuses(tmp_path):
     assert "cluster.n_devices=8" in refusal("simulate", "sim.initial=recipe", "cluster.n_devices=8")  # 4 devices on 8
 
 
+@pytest.mark.parametrize("entry", ["train", "plan", "simulate"])
+@pytest.mark.parametrize("override", ["train.global_batch=-3", "train.micro_batch=0", "train.seq_len=-1"])
+def test_every_entry_point_refuses_a_batch_it_cannot_plan_in_one_line(entry, override):
+    """The batch each entry point plans with is checked by each (simulate raised a traceback on a negative one)."""
+    key, value = override.split("=")
+    assert f"{key}={value}: must be ≥ 1" in refusal(entry, override)
+
+
 @pytest.mark.parametrize("content", [b"\x00\x01\x02binary" * 100, "caf\u00e9".encode("latin-1") * 100, b"tiny"],
                          ids=["binary", "latin-1", "too short"])
 def test_train_refuses_data_it_cannot_read(tmp_path, content):
