@@ -82,7 +82,7 @@ def measure(rank: int, world: int, store, args) -> list[dict]:
     for i, (_, _, _, _, manifest) in enumerate(moves):
         gen.all_reduce(torch.zeros(1), tuple(range(world)))  # a barrier: every device starts the transition together
         before = _status_kib("VmRSS")
-        held = manifest.before.get(rank, {}) if rank in manifest.before or rank in manifest.after else {}
+        held = manifest.before.get(rank, {})
         state = {kind: {n: torch.randn(region_shape(r)) for n, r in held.items()} for kind in (*KINDS, "grad")}
         grads = state.pop("grad")
         Path("/proc/self/clear_refs").write_text("5")  # the peak resident memory starts again from now

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
 

@@ -39,10 +39,10 @@ recomputes only on the stages whose memory needs it
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import heapq
 import itertools
-import contextlib
 import math
 import threading
 import time
@@ -297,7 +297,8 @@ class Gate:
             self._open.set()
 
     def wait(self) -> None:
-        self._open.wait()
+        if not self._open.is_set():  # a read, no lock: a search's every step passes here
+            self._open.wait()
 
 
 class Planner:

@@ -461,4 +461,3 @@ class _Waiter:
                 pending.error = err
             pending.fn = None  # the call and what it holds (a work and its tensor) go now, not with the next call
             pending.done.set()
-            del pending
