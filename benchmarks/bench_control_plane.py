@@ -86,6 +86,7 @@ from chameleon.runtime.protocol.messages import (
     Standby,
     Synced,
     Welcome,
+    sample_ranges,
 )
 from chameleon.runtime.protocol.position import Position
 from chameleon.runtime.protocol.timeouts import Timeouts
@@ -268,12 +269,12 @@ def _all_runs(plan: Plan) -> dict[int, list[tuple[int, int]]]:
     """:func:`_runs_of` for every device of ``plan``, found once per plan in an emulator process (every node of a
     real job finds its own, at the same time)."""
     if id(plan) not in _RUNS:
-        size, out = plan.micro_batch_size, {}
+        size, ids = plan.micro_batch_size, {}
         for j, (pipe, micro) in enumerate(zip(plan.pipelines, micro_batch_ranges(plan))):
             for i in range(pipe.micro_batches):
                 d = executors(plan, j, pipe.n_stages - 1, i)[0]
-                out.setdefault(d, []).append(((micro.start + i) * size, (micro.start + i + 1) * size))
-        _RUNS[id(plan)] = (plan, out)
+                ids.setdefault(d, []).extend(range((micro.start + i) * size, (micro.start + i + 1) * size))
+        _RUNS[id(plan)] = (plan, {d: list(sample_ranges(own)) for d, own in ids.items()})
     return _RUNS[id(plan)][1]
 
 

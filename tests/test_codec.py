@@ -29,6 +29,7 @@ from chameleon.runtime.protocol.messages import (
     NodeSynced,
     Positions,
     Publish,
+    Synced,
     parcel,
     sample_ranges,
 )
@@ -49,6 +50,8 @@ def test_messages_specs_and_manifests_survive_a_round_trip():
         Publish(spec), Moves(3, manifest_parts(manifest, lambda d: d // 4)[0]),
         Commit(3, 7, CommitOrder(save=True, switch_to=4), 1.5, 1.25e9),
         NodeSynced(1, 3, 7, (4, 5), 0.75, sample_ranges([5, 4, 7, 6, 9]), 0.2, None, 1.0),
+        NodeSynced(1, 3, 7, (4, 5), float("inf"), ((8, 9),), 0.2, 2.5, 1.0, (5,), ((4, 2**40), (5, 7)), ((4, 0.1), (5, 0.2))),
+        Synced(4, 3, 7, 0.5, ((4, 8), (9, 10)), 0.2, 1.5, False, 2**31, 0.125), Synced(4, 3, 7, 0.5, (), 0.2),
         Dying(5, 3, FaultSpec("node_kill", None, 1, 3, "backward"), 2.0, Position(3, 7, "backward", 2, -1)),
         Positions(1, 2, {4: (Position(3, 7, "sync", 0, -2), 0.5)}),
         Commit(0, 0, CommitOrder(), float("inf"), float("nan")),
@@ -118,6 +121,8 @@ def frame(doc: object, blobs: bytes = b"") -> bytes:
     ({"x": ["object", [1], 0]}, "dtype"),
     ({"x": ["float32", [4], 0]}, "past the end"),
     ({"c": "Manifest", "p": [[], [], [0, 9, 1, 2, 3], [0, []], [], [], [], []]}, "does not describe"),  # no name 0
+    ({"c": "NodeSynced", "p": [1, 3, 7, [4], 0.5, [8, 9, 10], 0.2, None, 1.0, [], [], []]}, "does not describe"),
+    ({"c": "Synced", "p": [4, 3, 7]}, "does not describe"),
 ])
 def test_a_frame_can_only_build_registered_values(doc, why):
     with pytest.raises(codec.CodecError, match=why):

@@ -242,6 +242,8 @@ def test_a_lost_node_flags_the_generation_then_publishes_the_next_with_each_node
     assert (told.devices, told.step, told.cause, told.plan, told.was) == ((2, 3), 1, fault["cause"], publish.spec.plan,
                                                                           core.first_plan)
     assert told.reload_step is None, "the survivors hold the state: no checkpoint is reloaded"
+    assert kinds.index("Publish") < kinds.index("RecoveryDecided") and kinds.index("Moves") < kinds.index("Record"), \
+        "the next generation goes out first; the decision's record and notice after it"
     assert core.handle(Received(1, NodeSynced(1, 0, 1, (2, 3), 0, ((0, 1),), 0, None, 0))) == [], "a lost node is deaf"
 
 

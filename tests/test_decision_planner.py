@@ -5,7 +5,10 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +17,8 @@ from chameleon.decision.planner import Gate, Planner, place, precompute
 from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Pipeline, Plan, PlanError, Stage, even_plan, validate_plan
 from tests.test_decision_estimator import tiny_profile
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _compositions(total, parts):
@@ -119,6 +124,21 @@ def test_precomputed_shapes_serve_any_fault_that_leaves_as_many_units():
         searched = place(planner.choose(units, n_micro=16, micro_batch_size=1), plan, prof)
         assert est.estimate_step(prof, new).t_step == pytest.approx(est.estimate_step(prof, searched).t_step)
     assert table.plan_for(geometry_of(plan).units(range(2, 8)), plan, prof) is None, "six units left: not searched"
+
+
+def test_a_precompute_loads_the_solver_a_placement_at_the_fault_may_need():
+    """Placing survivors of several kinds solves an LP (scipy, 0.4 s to import): the precompute, after the job
+    started, loads it, so the first fault's decision does not."""
+    script = ("import sys\n"
+              "from chameleon.decision.planner import Planner, precompute\n"
+              "from chameleon.layout.plan import even_plan\n"
+              "from tests.test_decision_estimator import tiny_profile\n"
+              "assert 'scipy.optimize' not in sys.modules, 'imported on start-up'\n"
+              "plan = even_plan(dp=2, pp=4, tp=1, n_layers=8, global_batch=16, micro_batch=1)\n"
+              "precompute(plan, Planner(tiny_profile(n_layers=8)), {1, 4})\n"
+              "assert 'scipy.optimize' in sys.modules, 'not loaded by the precompute'\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 class _Ticks:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
+from dataclasses import asdict
 from functools import partial
 
 import numpy as np
@@ -13,7 +15,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from chameleon.layout.colouring import dsatur
 from chameleon.layout.geometry import geometry_of, sync_rounds
-from chameleon.layout.plan import Pipeline, Plan, Reroute, Stage, even_plan, plan_from_spec
+from chameleon.layout.plan import Pipeline, Plan, Recompute, Reroute, Stage, even_plan, plan_from_spec
 from chameleon.layout.spec import (
     device_holdings,
     intersect,
@@ -201,3 +203,11 @@ def test_a_large_plan_is_summarised_by_shape_and_a_small_one_described_whole():
         "511 pipelines on 2044 devices, 1022 micro-batches, 0 reroutes",
         "changed: 4 devices out, 0 in, 512 → 511 pipelines",
     ]
+
+
+def test_a_plans_dict_is_what_asdict_makes_of_it():
+    plan = Plan(4, 2, (Pipeline((Stage((0, 1), (0, 2), Recompute.full), Stage((2,), (2, 4))), 3),
+                       Pipeline((Stage((), (0, 2)), Stage((3,), (2, 4), Recompute.selective)), 2)),
+                (Reroute(1, 0, (0,)),))
+    assert plan.to_dict() == asdict(plan)
+    assert json.dumps(plan.to_dict()) == json.dumps(asdict(plan))

@@ -632,8 +632,7 @@ def _transport(cost: np.ndarray, supply: np.ndarray, demand: np.ndarray) -> np.n
     n_a, n_b = cost.shape
     if n_a == 1 or n_b == 1:
         return demand[None, :] if n_a == 1 else supply[:, None]
-    from scipy.optimize import linprog  # 0.4 s to import: never on a start-up's path, where one kind is the rule
-
+    linprog = _linprog()
     rows = np.zeros((n_a + n_b, n_a * n_b))
     for a in range(n_a):
         rows[a, a * n_b:(a + 1) * n_b] = 1
@@ -641,6 +640,14 @@ def _transport(cost: np.ndarray, supply: np.ndarray, demand: np.ndarray) -> np.n
         rows[n_a + b, b::n_b] = 1
     result = linprog(cost.ravel(), A_eq=rows, b_eq=np.concatenate([supply, demand]), bounds=(0, None), method="highs-ds")
     return np.rint(result.x).astype(int).reshape(n_a, n_b)
+
+
+def _linprog():
+    """scipy's LP solver, imported on first use: 0.4 s, never on a start-up's path (one kind of slot is the rule
+    there), and loaded by :func:`precompute` so that no fault's placement waits for it."""
+    from scipy.optimize import linprog
+
+    return linprog
 
 
 def refill(plan: Plan, units: list[tuple[int, ...]]) -> Plan:
@@ -686,4 +693,5 @@ def precompute(plan: Plan, planner: Planner, losses, back: Collection[int] = ())
             shapes[len(some)] = planner.choose(some, n_micro=plan.n_micro_batches, micro_batch_size=plan.micro_batch_size)
         except PlanError:
             continue
+    _linprog()  # placing survivors at a fault may need it (several kinds of slot): loaded now, off the fault's path
     return Precomputed(shapes)

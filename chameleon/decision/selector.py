@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from chameleon.decision import estimator as est
 from chameleon.decision.config import Policy, PolicyConfig
@@ -59,7 +59,7 @@ class Candidate:
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
         out["transition_parts"] = dict(self.transition_parts)
-        out["plan"] = None if self.plan is None else {"summary": self.plan.describe(), **asdict(self.plan)}
+        out["plan"] = None if self.plan is None else {"summary": self.plan.describe(), **self.plan.to_dict()}
         return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in out.items()}
 
 

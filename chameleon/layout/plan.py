@@ -115,6 +115,17 @@ class Plan:
         """:attr:`devices` as a set."""
         return frozenset(self.devices)
 
+    def to_dict(self) -> dict:
+        """What ``dataclasses.asdict`` makes of the plan, built directly: every decision's record holds its candidates'
+        plans, and at thousands of devices ``asdict`` took a quarter of a second on the controller's loop."""
+        return {
+            "n_layers": self.n_layers, "micro_batch_size": self.micro_batch_size,
+            "pipelines": tuple({"stages": tuple({"devices": st.devices, "layers": st.layers, "recompute": st.recompute}
+                                                for st in p.stages), "micro_batches": p.micro_batches}
+                               for p in self.pipelines),
+            "reroutes": tuple({"pipeline": r.pipeline, "stage": r.stage, "hosts": r.hosts} for r in self.reroutes),
+        }
+
     def describe(self) -> str:
         """One line per pipeline, e.g. ``pipe0 [0:2|2:4 rc=full] tp1 ×4mb on 0,1`` (a stage that recomputes says
         how: ``rc=selective`` or ``rc=full``)."""

@@ -302,18 +302,16 @@ def _rounds(moves: list[Move]) -> tuple[tuple[Move, ...], ...]:
         else:
             links[link], load[link] = [m], m.nbytes
     order = sorted(links, key=lambda k: (-load[k], k))
-    sending: dict[int, set[int]] = {}
-    receiving: dict[int, set[int]] = {}
+    sending: dict[int, int] = {}  # device → the rounds it sends in, as bits
+    receiving: dict[int, int] = {}
     rounds: list[list[Move]] = []
     for src, dst in order:
-        busy_s, busy_r = sending.setdefault(src, set()), receiving.setdefault(dst, set())
-        r = 0
-        while r in busy_s or r in busy_r:
-            r += 1
+        busy = sending.get(src, 0) | receiving.get(dst, 0)
+        r = (~busy & (busy + 1)).bit_length() - 1  # the lowest round neither end is busy in
         if r == len(rounds):
             rounds.append([])
-        busy_s.add(r)
-        busy_r.add(r)
+        sending[src] = sending.get(src, 0) | 1 << r
+        receiving[dst] = receiving.get(dst, 0) | 1 << r
         rounds[r].extend(links[src, dst])
     return tuple(tuple(r) for r in rounds)
 
@@ -328,7 +326,9 @@ def manifest_parts(manifest: Manifest, node_of: Callable[[int], int]) -> dict[in
     for r, moves in enumerate(manifest.rounds):
         for m in moves:
             for node in {node_of(m.src), node_of(m.dst)}:
-                rounds.setdefault(node, [[] for _ in manifest.rounds])[r].append(m)
+                if node not in rounds:
+                    rounds[node] = [[] for _ in manifest.rounds]
+                rounds[node][r].append(m)
     before: dict[int, dict] = {}
     after: dict[int, dict] = {}
     for held, out in ((manifest.before, before), (manifest.after, after)):

@@ -55,6 +55,7 @@ class Recoverer:
         self.timeline: Recovery | None = None
         self.pacing: tuple[Recovery, list[float]] | None = None  # a recovery closed, its steady steps being timed
         self.done: list[Recovery] = []
+        self.told: list[object] = []  # a decision's record and notice, until its generation goes out
 
     @property
     def busy(self) -> bool:
@@ -82,8 +83,8 @@ class Recoverer:
 
     def decided(self, now: float, *, generation: int, was: Plan,
                 saved: SavedState | None) -> tuple[Transition, Parcels | None] | None:
-        """The decision and its encoded moves, once the thread has them (None before): recorded and told;
-        ``generation``: the broken one.
+        """The decision and its encoded moves, once the thread has them (None before); ``generation``: the broken
+        one. It is recorded and told once :meth:`published` (the next generation goes out first).
 
         Raises:
             TrainingError: no recovery is possible.
@@ -101,20 +102,25 @@ class Recoverer:
         rec.estimated_step_s = transition.estimated_step_s
         if transition.manifest is not None:
             rec.manifest_bytes, rec.manifest_rounds = transition.manifest.wire_bytes, len(transition.manifest.round_bytes)
-        self.emit(Record({
+        self.told = [Record({
             "event": "fault", "generation": generation, "failed_ranks": sorted(loss.devices), "cause": loss.cause,
             "step": loss.step, "where": loss.where, "t_fault": loss.t_fault, "t_fault_source": loss.source,
             "detect_s": loss.t_detect - loss.t_fault, "decide_s": rec.t_decided - loss.t_detect,
             "decision": rec.decision.to_dict(), "manifest_bytes": rec.manifest_bytes,
             "manifest_rounds": rec.manifest_rounds,
-        }))
+        })]
         reload = (transition.resume_step, loss.t_detect - saved.committed_at) if transition.checkpoint else (None, 0.0)
-        self.emit(RecoveryDecided(tuple(sorted(loss.devices)), loss.step, loss.cause, loss.where, transition.decision,
-                                  transition.plan, was, *reload))
+        self.told.append(RecoveryDecided(tuple(sorted(loss.devices)), loss.step, loss.cause, loss.where,
+                                         transition.decision, transition.plan, was, *reload))
         return transition, parcels
 
     def published(self, now: float) -> None:
+        """The decision's generation went out: recorded and told now (at 8,192 devices, writing a decision's record
+        took a tenth of a second of the loop, which the generation no longer waits for)."""
         self.timeline.t_published = now
+        for effect in self.told:
+            self.emit(effect)
+        self.told = []
 
     def started(self, now: float) -> None:
         if self.timeline is not None:

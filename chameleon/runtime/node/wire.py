@@ -43,6 +43,7 @@ _NONCE = 32
 _MAC = 32
 _LEN = struct.Struct("<I")
 _MAX_FRAME = 1 << 30
+_READ = 1 << 20  # bytes asked of the socket at a time
 _AGENT, _CONTROLLER = b"agent", b"controller"
 
 
@@ -128,7 +129,7 @@ class Link:
         """
         while True:
             try:
-                chunk = self.sock.recv(1 << 20)
+                chunk = self.sock.recv(_READ)
             except BlockingIOError:
                 break
             except OSError as err:
@@ -138,6 +139,8 @@ class Link:
                 break
             self.bytes_received += len(chunk)
             self._in += chunk
+            if len(chunk) < _READ:
+                break  # drained for now: what comes later signals the socket again (one recv a message, not two)
         out, self._early = self._early, []
         while len(self._in) >= _LEN.size:
             (size,) = _LEN.unpack_from(self._in)

@@ -561,12 +561,45 @@ def parcel(manifest: Manifest, *, generation: int, nodes: Iterable[int], node_of
     return Parcels(generation, sends)
 
 
+def _flat(pairs) -> list:
+    return [x for pair in pairs for x in pair]
+
+
+def _pairs(flat: list) -> tuple:
+    if len(flat) % 2:
+        raise ValueError("an odd count of values where pairs were packed")
+    return tuple(zip(flat[::2], flat[1::2]))
+
+
+def _pack_synced(m: Synced) -> list:
+    return [m.device, m.generation, m.step, m.loss_sum, _flat(m.samples), m.compute_s, m.norm_sq, m.finite, m.digest,
+            m.busy_s]
+
+
+def _unpack_synced(packed: list) -> Synced:
+    device, generation, step, loss_sum, samples, compute_s, norm_sq, finite, digest, busy_s = packed
+    return Synced(device, generation, step, loss_sum, _pairs(samples), compute_s, norm_sq, finite, digest, busy_s)
+
+
+def _pack_node_synced(m: NodeSynced) -> list:
+    return [m.node, m.generation, m.step, list(m.devices), m.loss_sum, _flat(m.samples), m.compute_s, m.norm_sq,
+            m.t_synced, list(m.corrupt), _flat(m.digests), _flat(m.busy)]
+
+
+def _unpack_node_synced(packed: list) -> NodeSynced:
+    node, generation, step, devices, loss_sum, samples, compute_s, norm_sq, t_synced, corrupt, digests, busy = packed
+    return NodeSynced(node, generation, step, tuple(devices), loss_sum, _pairs(samples), compute_s, norm_sq, t_synced,
+                      tuple(corrupt), _pairs(digests), _pairs(busy))
+
+
 codec.register_packed(Plan, pack=_pack_plan, unpack=_unpack_plan)
+codec.register_packed(Synced, pack=_pack_synced, unpack=_unpack_synced)  # one a step from every device: packed flat
+codec.register_packed(NodeSynced, pack=_pack_node_synced, unpack=_unpack_node_synced)  # and one from every node
 codec.register_packed(Manifest, pack=lambda m: _Packer().pack(m), unpack=_unpack_manifest)
 codec.register(
     Pipeline, Stage, Reroute, Move, Position, FaultSpec, GenerationSpec, CommitOrder,
-    Moves, Publish, Begin, Commit, Flag, End, Standby, Ready, Synced, SelfTimed, Evaluated, CheckpointSaved, Failed, Damaged, Dying,
-    FinalShards, Done,    Hello, Lease, NodeReady, NodeSynced, NodeEvaluated, NodeSaved, Positions, Exited, Hung,
+    Moves, Publish, Begin, Commit, Flag, End, Standby, Ready, SelfTimed, Evaluated, CheckpointSaved, Failed, Damaged, Dying,
+    FinalShards, Done,    Hello, Lease, NodeReady, NodeEvaluated, NodeSaved, Positions, Exited, Hung,
     Renew, Start, Inject, Noted, Probe, Welcome, Signal, Shutdown,
 )
 codec.register_tree(Config)
