@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +92,7 @@ def run_ranks(target: Callable[..., None], world: int, *args, timeout_s: float =
     """``target(rank, world, port, *args)`` in ``world`` spawned processes (``port`` free for their process group);
     each must exit 0 within ``timeout_s``."""
     port, ctx = free_port_pair(), mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    procs = [ctx.Process(target=_then_exit, args=(target, r, world, port, *args)) for r in range(world)]
     try:
         for p in procs:
             p.start()
@@ -104,6 +105,21 @@ def run_ranks(target: Callable[..., None], world: int, *args, timeout_s: float =
                 p.kill()
                 p.join()
     assert [p.exitcode for p in procs] == [0] * world
+
+
+def _then_exit(target: Callable[..., None], *args) -> None:
+    """``target(*args)``, then out at once, as a worker leaves (``os._exit``): a rank's process groups and their
+    threads are never torn down by the interpreter's exit, which aborted a rank now and then ("terminate called
+    without an active exception", exit code -6)."""
+    try:
+        target(*args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def assert_nothing_lost(run: Run, reference: Run, *, drift: Drift = Drift()) -> dict:
