@@ -15,9 +15,9 @@ as one-key objects: ``{"t": [...]}`` a tuple, ``{"f": [...]}`` a frozenset,
 ``{"s": {...}}`` a dict with string keys, ``{"m": [[k, v], ...]}`` any other dict,
 ``{"c": name, "v": [...]}`` an instance of a registered dataclass (its fields in
 order; ``{"c": name, "p": [...]}`` for one registered with a packing of plain JSON,
-such as a plan, a manifest or a step's report), ``{"e": [name, value]}`` a member of an enum a registered dataclass's field is typed with (other
-int and str enums go as their values),
-``{"x": [dtype, shape, offset]}`` a tensor.
+such as a plan, a manifest or a step's report), ``{"e": [name, value]}`` a member of
+an enum a registered dataclass's field is typed with (other int and str enums go as
+their values), ``{"x": [dtype, shape, offset]}`` a tensor.
 
 Reading a frame only ever builds JSON values, tuples, dicts, tensors of an allowed
 dtype, members of registered enums and instances of the dataclasses registered here by name: nothing read can
