@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/bench_control_plane.py [--devices N ...] [--json FILE] [--plot PNG] [--quick] [--step-s 0.5]
-                                             [--after 14]
+                                             [--after 14] [--lose 1]
     python benchmarks/bench_control_plane.py --report FILE [--plot PNG]
 
 For each size (64 → 8,192 devices, 8 per node; ``--devices`` picks sizes) it starts the
@@ -18,9 +18,9 @@ processes. Only the workers are emulated: a step is a sleep of ``--step-s`` with
 next step. Node 0's agent runs in the controller's process, as always; a thread wakes the
 controller's loop when its emulated workers' next report is due.
 
-Each run trains ``WARM + WINDOW`` steps, closes the last node's link as the kernel
-does when an agent is SIGKILLed, lets the job recover, brings the node back with the
-registration a restarted agent makes, lets the job grow back, and ends ``--after`` steps after the
+Each run trains ``WARM + WINDOW`` steps, closes the last node's link (the last ``--lose``
+nodes' at once: a rack) as the kernel does when an agent is SIGKILLed, lets the job recover,
+brings the nodes back with the registration a restarted agent makes, lets the job grow back, and ends ``--after`` steps after the
 fault (14 by default; at 8,192 devices the growth is sometimes decided after the 14th, so
 ``docs/scale.md``'s sweeps pass ``--after 40``). Per size:
 
@@ -37,7 +37,7 @@ fault (14 by default; at 8,192 devices the growth is sometimes decided after the
 - ``control_bytes_per_step``: bytes on every agent link, both ways, per step;
 - ``fault_to_generation_s``: the node's link closed → the next generation received by
   every surviving node (``decide_s``: the controller's decision within it);
-- ``rejoin_to_generation_s``: the returning agent's hello → the grown generation received by it
+- ``rejoin_to_generation_s``: the first returning agent's hello → the grown generation received by every one
   (``growth``: the choice, "declined: …" when the decision kept the plan, "not grown by the end" when no
   growth was decided before the last step).
 
@@ -328,7 +328,7 @@ class _Node:
         welcome = self.link.recv(600)
         if not isinstance(welcome, Welcome):
             raise RuntimeError(f"node {self.node} was not admitted: {welcome}")
-        if returning:
+        if returning and self.record["hello_back"] is None:  # the first of the nodes coming back
             self.record["hello_back"] = hello_t
         agent = Agent(node=self.node, devices=self.devices, report=self.report)
         self.pool = EmulatedPool(agent, step_s=self.step_s, steps=self.config.train.steps, seed=self.node,
@@ -353,11 +353,11 @@ class _Node:
             self.record["publishes"].append((self.node, message.generation, now, member))
 
 
-def emulate(nodes: list[int], config: Config, port: int, step_s: float, window: int, victim: int, watch: int,
-            planning: mp.Value, out: str) -> None:
-    """Run ``nodes``' agents until the job ends (``window``: the measured steps after ``WARM``; ``victim``: the node
-    to lose and bring back; ``watch``: the controller's pid and ``planning`` its planning process's, whose CPU time
-    the process of node 1 reads)."""
+def emulate(nodes: list[int], config: Config, port: int, step_s: float, window: int, victims: frozenset[int],
+            watch: int, planning: mp.Value, out: str) -> None:
+    """Run ``nodes``' agents until the job ends (``window``: the measured steps after ``WARM``; ``victims``: the nodes
+    to lose at once and bring back, those of them here; ``watch``: the controller's pid and ``planning`` its planning
+    process's, whose CPU time the process of node 1 reads)."""
     record = {"commits": {}, "publishes": [], "bytes": {}, "cpu": {}, "kill": None, "hello_back": None}
     gc.freeze()
     decode = _Decoded()
@@ -396,17 +396,20 @@ def emulate(nodes: list[int], config: Config, port: int, step_s: float, window: 
                                                          for n in live)
                         if 1 in emulated:
                             record["cpu"][str(step)] = _cpu_ns(watch) + _cpu_ns(planning.value)
-                    if victim in emulated and step == kill_at and record["kill"] is None:
-                        lost = emulated[victim]
-                        selector.unregister(lost.link)
-                        lost.link.sock.close()  # as the kernel closes a SIGKILLed agent's socket
+                    mine = sorted(victims & set(emulated))
+                    if mine and step == kill_at and record["kill"] is None:
                         record["kill"] = time.time()
-                        live.discard(victim)
-                    elif victim in emulated and step >= back_at and record["kill"] and record["hello_back"] is None:
-                        back = emulated[victim]
-                        back.join(port, returning=True, decode=decode)
-                        selector.register(back.link, selectors.EVENT_READ, back)
-                        live.add(victim)
+                        for victim in mine:
+                            lost = emulated[victim]
+                            selector.unregister(lost.link)
+                            lost.link.sock.close()  # as the kernel closes a SIGKILLed agent's socket
+                            live.discard(victim)
+                    elif mine and step >= back_at and record["kill"] and record["hello_back"] is None:
+                        for victim in mine:
+                            back = emulated[victim]
+                            back.join(port, returning=True, decode=decode)
+                            selector.register(back.link, selectors.EVENT_READ, back)
+                            live.add(victim)
         for n in list(live):
             node = emulated[n]
             node.pool.tick()
@@ -467,12 +470,12 @@ def _free_ports() -> int:
                     continue
 
 
-def run_size(devices: int, *, step_s: float, window: int, after: int = AFTER) -> dict:
+def run_size(devices: int, *, step_s: float, window: int, after: int = AFTER, lose: int = 1) -> dict:
     nodes = devices // PER_NODE
     steps = WARM + window + after
     port = _free_ports()
     config, plan = config_for(devices, steps=steps, port=port)
-    victim = nodes - 1
+    victims = frozenset(range(nodes - lose, nodes))
     remote = list(range(1, nodes))
     chunks = [remote[i:i + NODES_PER_PROCESS] for i in range(0, len(remote), NODES_PER_PROCESS)]
     ctx = mp.get_context("spawn")
@@ -480,7 +483,7 @@ def run_size(devices: int, *, step_s: float, window: int, after: int = AFTER) ->
     Path("/proc/self/clear_refs").write_text("5")  # this process's peak memory counts from here
     with tempfile.TemporaryDirectory() as tmp:
         outs = [str(Path(tmp) / f"emulator{i}.json") for i in range(len(chunks))]
-        procs = [ctx.Process(target=emulate, args=(chunk, config, port + 1, step_s, window, victim, os.getpid(),
+        procs = [ctx.Process(target=emulate, args=(chunk, config, port + 1, step_s, window, victims, os.getpid(),
                                                    planning, out), daemon=True) for chunk, out in zip(chunks, outs)]
         for p in procs:
             p.start()
@@ -503,10 +506,12 @@ def run_size(devices: int, *, step_s: float, window: int, after: int = AFTER) ->
         records = [json.loads(Path(out).read_text()) for out in outs]
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    return summarise(devices, nodes, step_s, window, records, metrics, events, keys_before, keys_after, wall, peak_gb)
+    return summarise(devices, nodes, step_s, window, records, metrics, events, keys_before, keys_after, wall, peak_gb,
+                     victims)
 
 
-def summarise(devices, nodes, step_s, steps, records, metrics, events, keys_before, keys_after, wall, peak_gb) -> dict:
+def summarise(devices, nodes, step_s, steps, records, metrics, events, keys_before, keys_after, wall, peak_gb,
+              victims) -> dict:
     window = range(WARM, WARM + steps)
     by_step = {m["step"]: m for m in metrics if m["generation"] == 0}
     overhead = sorted(by_step[k]["commit_s"] * 1e3 for k in window)
@@ -517,16 +522,19 @@ def summarise(devices, nodes, step_s, steps, records, metrics, events, keys_befo
         delivered.append((max(arrivals) - (published - by_step[k]["commit_s"])) * 1e3)
     cpu = next(r["cpu"] for r in records if r["cpu"])
     nbytes = sum(r["bytes"][str(WARM + steps)] - r["bytes"][str(WARM)] for r in records)
-    kill = next(r["kill"] for r in records if r["kill"])
+    kill = min(r["kill"] for r in records if r["kill"])
     fault = next(e for e in events if e["event"] == "fault")
     recovered = next(e for e in events if e["event"] == "recovered")
-    after = [t for r in records for node, g, t, _ in r["publishes"] if g == fault["generation"] + 1 and node != nodes - 1]
-    back = next(r["hello_back"] for r in records if r["hello_back"])
-    grown = [t for r in records for node, g, t, member in r["publishes"] if member and node == nodes - 1 and t >= back]
+    after = [t for r in records for node, g, t, _ in r["publishes"] if g == fault["generation"] + 1 and node not in victims]
+    back = min(r["hello_back"] for r in records if r["hello_back"])
+    grown: dict[int, float] = {}  # each returning node's first generation as a member again
+    for node, _, t, member in (p for r in records for p in r["publishes"]):
+        if member and node in victims and t >= back:
+            grown[node] = min(grown.get(node, t), t)
     growth = next((e for e in events if e["event"] == "grown"), None)
     declined = next((e for e in events if e["event"] == "growth"), None)
     return {
-        "devices": devices, "nodes": nodes, "step_s": step_s,
+        "devices": devices, "nodes": nodes, "step_s": step_s, "lost_nodes": len(victims),
         "commit_overhead_ms_p50": statistics.median(overhead), "commit_overhead_ms_p99": _p99(overhead),
         "commit_delivered_ms_p99": _p99(sorted(delivered)),
         "controller_cpu_ms_per_step": (cpu[str(WARM + steps)] - cpu[str(WARM)]) / 1e6 / steps,
@@ -535,7 +543,7 @@ def summarise(devices, nodes, step_s, steps, records, metrics, events, keys_befo
         "fault_to_generation_s": max(after) - kill, "detect_s": fault["t_fault"] + fault["detect_s"] - kill,
         "decide_s": fault["decide_s"], "publish_s": recovered["publish_s"], "first_publish_s": min(after) - kill,
         "fault_choice": fault["decision"]["choice"],
-        "rejoin_to_generation_s": (min(grown) - back) if grown else None,
+        "rejoin_to_generation_s": (max(grown.values()) - back) if len(grown) == len(victims) else None,
         "growth": (growth["chosen"] if growth else f"declined: {declined['choice']}" if declined
                    else "not grown by the end"),
         "controller_peak_gb": peak_gb,
@@ -558,12 +566,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="64 devices, shorter steps and window (CI)")
     parser.add_argument("--step-s", type=float, default=0.5, help="an emulated step's duration")
     parser.add_argument("--after", type=int, default=AFTER, help="steps from the fault to the job's end")
+    parser.add_argument("--lose", type=int, default=1, help="nodes lost at once (the last ones), and back together")
     parser.add_argument("--plot", help="draw each figure against the number of devices into this PNG")
     parser.add_argument("--report", help="run nothing: report the sizes a --json FILE holds (table, fit, plot)")
     args = parser.parse_args()
     if args.devices and any(n % PER_NODE or n < 2 * PER_NODE for n in args.devices):
         parser.error(f"--devices {' '.join(map(str, args.devices))}: every size must be a multiple of {PER_NODE}, "
                      f"at least {2 * PER_NODE}")
+    if args.lose < 1 or any(n // PER_NODE - args.lose < 2 for n in args.devices or SIZES):
+        parser.error(f"--lose {args.lose}: lose at least one node, and leave node 0 and one more of every size")
     if args.report and not Path(args.report).is_file():
         parser.error(f"--report {args.report}: no such file (write one with --json FILE)")
     print("| devices | nodes | commit overhead p50 / p99 (ms) | delivered p99 (ms) | controller CPU (ms/step) | "
@@ -577,10 +588,12 @@ def main() -> None:
     else:
         sizes = args.devices or ((64,) if args.quick else SIZES)
         step_s = 0.25 if args.quick else args.step_s
-        header(f"real controller and agents, emulated workers, {PER_NODE} per node, {NODES_PER_PROCESS} nodes per emulator")
+        header(f"real controller and agents, emulated workers, {PER_NODE} per node, {NODES_PER_PROCESS} nodes per emulator"
+               + (f", {args.lose} nodes lost at once" if args.lose > 1 else ""))
         results = []
         for devices in sizes:
-            results.append(run_size(devices, step_s=step_s, window=8 if args.quick else WINDOW, after=args.after))
+            results.append(run_size(devices, step_s=step_s, window=8 if args.quick else WINDOW, after=args.after,
+                                    lose=args.lose))
             print(_row(results[-1]), flush=True)
             if args.json:  # kept size by size: a later size that cannot run loses nothing
                 Path(args.json).write_text(json.dumps(results, indent=1))

@@ -48,3 +48,16 @@ def test_the_emulator_measures_the_real_controller(tmp_path):
     assert r["fault_to_generation_s"] > 0 and r["growth"] == "grow" and r["rejoin_to_generation_s"] > 0
     again = run("bench_control_plane.py", "--report", str(out), "--plot", str(tmp_path / "cp.png"))
     assert again.returncode == 0 and "| 64 | 8 |" in again.stdout and (tmp_path / "cp.png").stat().st_size > 0
+
+
+@pytest.mark.full
+def test_the_emulator_loses_a_rack_at_once_and_times_its_return(tmp_path):
+    """``--lose 2``: two nodes' links closed at once; the next generation reaches every survivor, and the growth is
+    timed until both returning nodes hold it."""
+    out = tmp_path / "cp.json"
+    proc = run("bench_control_plane.py", "--quick", "--lose", "2", "--json", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (r,) = json.loads(out.read_text())
+    assert r["lost_nodes"] == 2 and r["fault_to_generation_s"] > 0
+    assert r["growth"] == "grow" and r["rejoin_to_generation_s"] > 0
+    assert "devices [48, 49" in proc.stderr and "63] lost" in proc.stderr, "one fault covers both nodes' devices"
