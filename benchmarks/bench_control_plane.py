@@ -368,6 +368,7 @@ def emulate(nodes: list[int], config: Config, port: int, step_s: float, window: 
     for node in emulated.values():
         selector.register(node.link, selectors.EVENT_READ, node)
     lease_s, live = Timeouts.of(config).renew_s, set(emulated)
+    lost_here = sorted(victims & set(emulated))  # the victims among this process's nodes
     kill_at = WARM + window + 1
     back_at = kill_at + BACK_AFTER
     while live:
@@ -396,16 +397,15 @@ def emulate(nodes: list[int], config: Config, port: int, step_s: float, window: 
                                                          for n in live)
                         if 1 in emulated:
                             record["cpu"][str(step)] = _cpu_ns(watch) + _cpu_ns(planning.value)
-                    mine = sorted(victims & set(emulated))
-                    if mine and step == kill_at and record["kill"] is None:
+                    if lost_here and step == kill_at and record["kill"] is None:
                         record["kill"] = time.time()
-                        for victim in mine:
+                        for victim in lost_here:
                             lost = emulated[victim]
                             selector.unregister(lost.link)
                             lost.link.sock.close()  # as the kernel closes a SIGKILLed agent's socket
                             live.discard(victim)
-                    elif mine and step >= back_at and record["kill"] and record["hello_back"] is None:
-                        for victim in mine:
+                    elif lost_here and step >= back_at and record["kill"] and record["hello_back"] is None:
+                        for victim in lost_here:
                             back = emulated[victim]
                             back.join(port, returning=True, decode=decode)
                             selector.register(back.link, selectors.EVENT_READ, back)

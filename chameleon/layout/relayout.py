@@ -306,12 +306,12 @@ def _rounds(moves: list[Move]) -> tuple[tuple[Move, ...], ...]:
     receiving: dict[int, int] = {}
     rounds: list[list[Move]] = []
     for src, dst in order:
-        busy = sending.get(src, 0) | receiving.get(dst, 0)
+        sends, receives = sending.get(src, 0), receiving.get(dst, 0)
+        busy = sends | receives
         r = (~busy & (busy + 1)).bit_length() - 1  # the lowest round neither end is busy in
         if r == len(rounds):
             rounds.append([])
-        sending[src] = sending.get(src, 0) | 1 << r
-        receiving[dst] = receiving.get(dst, 0) | 1 << r
+        sending[src], receiving[dst] = sends | 1 << r, receives | 1 << r
         rounds[r].extend(links[src, dst])
     return tuple(tuple(r) for r in rounds)
 

@@ -241,8 +241,10 @@ class Ledger:
 
 def _outvoted(groups: tuple[tuple[int, ...], ...], digests: dict[int, int]) -> tuple[int, ...]:
     """The replicas whose digest differs from their group's majority; every one of a group with no majority."""
+    if not digests:  # a step no trainer digested: nothing to compare
+        return ()
     out = []
-    for group in groups if digests else ():  # a step no trainer digested: nothing to compare
+    for group in groups:
         held = {d: digests[d] for d in group if d in digests}
         if len(set(held.values())) > 1:
             value, count = Counter(held.values()).most_common(1)[0]
