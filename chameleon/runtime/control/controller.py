@@ -48,6 +48,7 @@ from chameleon.runtime.control.events import (
     Close,
     Committed,
     Fired,
+    Idle,
     Lost,
     Preempt,
     Received,
@@ -231,6 +232,7 @@ class Controller:
         for key, events in ready:
             self._on_ready(key.fileobj if key.data is None else key.data, events)
         self._drain()
+        self._handle(Idle())  # what was read is handled: the losses among it are decided as one
 
     def _finish(self, *, grace_s: float, outcome: ExitCode) -> None:
         """End the job everywhere: every agent stops its workers (waiting ones see the end and leave) and exits

@@ -46,6 +46,7 @@ from chameleon.runtime.control.events import (
     Close,
     Committed,
     Fired,
+    Idle,
     Lost,
     Preempt,
     Received,
@@ -261,6 +262,9 @@ class Core:
                 self._refused(why)
             case Tick(heard_at=heard_at):
                 self._tick(heard_at)
+                self._decide_waiting()
+            case Idle():
+                self._decide_waiting()
             case Preempt():
                 self.preempt = True
             case _:
@@ -655,21 +659,27 @@ class Core:
             self.ledger.break_generation()
 
     def _decide(self, loss: Loss) -> None:
-        """Decide, in the decision thread, how to go on from the resident plan without ``loss.devices``, resuming at
-        ``loss.step``; the next generation is published once decided (:meth:`_decided`)."""
+        """Decide how to go on from the resident plan without ``loss.devices``, resuming at ``loss.step``, once the
+        events at hand are handled (:meth:`_decide_waiting`: the losses of one moment are one decision)."""
         if self.recovery.timeline is None:
             self.spans.append(("redone", self._step_start(), loss.t_fault))  # the step the fault broke
-        loss = self.recovery.lost(loss)
+        self.recovery.lost(loss)
         self.growth.cancel()  # a fault supersedes them
         self.reshape.cancel()
+
+    def _decide_waiting(self) -> None:
+        """The loss waiting (:meth:`_decide`), decided now in the decision thread; the next generation is published
+        once decided (:meth:`_decided`)."""
+        loss = self.recovery.waiting
+        if loss is None:
+            return
         for f in self.injector.during_decision(loss.step):
             self._inject(f)
         self.recovery.decide(
-            self.resident, loss, self._precomputed(), parcel=self._parcel(), next_step=loss.step,
+            self.resident, self._precomputed(), parcel=self._parcel(), next_step=loss.step,
             fresh=None if self.t_train is not None else self.config.ckpt.resume or "", measured=self._measured(),
             speeds=self.reshape.slow, **self._context(),
         )
-        self._decided()
 
     def _decided(self) -> None:
         """A recovery decided in the decision thread: publish the next generation.
@@ -803,8 +813,9 @@ class Core:
 
     def close(self) -> None:
         """Cancel background planning and a recovery's decision (the end supersedes them)."""
-        for background in (self.precomputed, self.recovery.deciding, self.growth.background, self.reshape.background):
+        for background in (self.precomputed, self.growth.background, self.reshape.background):
             background.cancel()
+        self.recovery.cancel()
 
 
 def config_difference(ours: dict, theirs: dict, prefix: str = "") -> list[str]:

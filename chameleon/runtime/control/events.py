@@ -63,6 +63,13 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class Idle:
+    """Every event at hand was handled: the edge read what was ready and carried out what followed (a broadcast
+    that found more links broken included). Losses of one moment are decided as one from here (a rack that fails
+    at once is one decision, not one per node, each superseding the last)."""
+
+
+@dataclass(frozen=True)
 class Preempt:
     """SIGTERM: save a checkpoint at the next step boundary, then stop."""
 

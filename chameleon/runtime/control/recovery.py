@@ -1,6 +1,6 @@
-"""Recovering from a loss: the next generation decided in a thread of its own (a later loss supersedes a decision
-under way: one decision for both), the recovery's timeline from the fault to the first step committed after it,
-and its pace once steady."""
+"""Recovering from a loss: the next generation decided in a thread of its own (the losses of one moment wait to be
+decided as one; a later loss supersedes a decision under way: one decision for both), the recovery's timeline from
+the fault to the first step committed after it, and its pace once steady."""
 
 from __future__ import annotations
 
@@ -56,15 +56,17 @@ class Recoverer:
         self.pacing: tuple[Recovery, list[float]] | None = None  # a recovery closed, its steady steps being timed
         self.done: list[Recovery] = []
         self.told: list[object] = []  # a decision's record and notice, until its generation goes out
+        self.waiting: Loss | None = None  # what the next decision is to be about, until it is submitted
 
     @property
     def busy(self) -> bool:
-        """Whether a decision is under way."""
-        return self.deciding.busy
+        """Whether a decision waits or is under way."""
+        return self.waiting is not None or self.deciding.busy
 
-    def lost(self, loss: Loss) -> Loss:
-        """A loss: the recovery under way takes it in, or one begins; returns what to decide on (a decision under
-        way did not know of this loss: it is superseded, and the next decides for both)."""
+    def lost(self, loss: Loss) -> None:
+        """A loss: the recovery under way takes it in, or one begins; it waits (:attr:`waiting`) with the others of
+        the same moment to be decided (a decision under way did not know of it: it is superseded, and the next
+        decides for both)."""
         if self.pacing is not None:
             self._pace()  # a new fault: the last one's pace is what it was
         if self.timeline is None:
@@ -74,12 +76,21 @@ class Recoverer:
             self.timeline.failed = sorted(set(self.timeline.failed) | loss.devices)
             self.timeline.cause += f"; then {loss.cause} during recovery"
             self.timeline.where.update(loss.where)
-        return self.deciding.search.about.then(loss) if self.deciding.busy else loss
+        if self.waiting is None and self.deciding.busy:
+            self.waiting = self.deciding.search.about
+            self.deciding.cancel()
+        self.waiting = loss if self.waiting is None else self.waiting.then(loss)
 
-    def decide(self, resident: Plan, loss: Loss, ahead: int | None, *, parcel: Parcelling, **kwargs) -> None:
-        """Decide on ``loss`` on the decisions' lane (:class:`~chameleon.runtime.control.planning.Recover`, from the
-        finished precompute ``ahead``), which encodes its moves too (``parcel``)."""
+    def decide(self, resident: Plan, ahead: int | None, *, parcel: Parcelling, **kwargs) -> None:
+        """Decide on the loss waiting on the decisions' lane (:class:`~chameleon.runtime.control.planning.Recover`,
+        from the finished precompute ``ahead``), which encodes its moves too (``parcel``)."""
+        loss, self.waiting = self.waiting, None
         self.deciding.submit(resident, loss, Recover(resident, ahead, parcel, kwargs))
+
+    def cancel(self) -> None:
+        """Nothing more decided (the end supersedes it)."""
+        self.waiting = None
+        self.deciding.cancel()
 
     def decided(self, now: float, *, generation: int, was: Plan,
                 saved: SavedState | None) -> tuple[Transition, Parcels | None] | None:
