@@ -4,20 +4,32 @@ and under a real run), and no process left behind."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from chameleon.decision.coordinator import collector_paused
 from chameleon.decision.profiler import load_profile
 from chameleon.runtime.control.core import Core
 from chameleon.runtime.control.offload import OWN_NODE, PROCESS_NAME, InChild, Moved, PlanningDied, light
-from chameleon.runtime.control.planning import Grow, InThreads, Parcelling, Precompute, Recover, Reshape, reframed
+from chameleon.runtime.control.planning import (
+    Grow,
+    InThreads,
+    Parcelling,
+    Precompute,
+    Recover,
+    Request,
+    Reshape,
+    reframed,
+)
 from chameleon.runtime.node.processes import forkserver
 from chameleon.runtime.protocol import codec
 from chameleon.runtime.protocol.messages import parcel
@@ -152,6 +164,30 @@ def test_moves_encoded_for_a_generation_that_came_first_are_encoded_again():
         assert {n: m for n, (m, _) in again.sends.items()} == {n: m for n, (m, _) in own.sends.items()}
     moved = light(decided)[0].manifest
     assert (moved.wire_bytes, moved.round_bytes) == (transition.manifest.wire_bytes, transition.manifest.round_bytes)
+
+
+@dataclass(frozen=True)
+class Collecting(Request):
+    """Whether Python's cyclic collector runs while a request runs."""
+
+    resident: None = None
+
+    def run(self, shop) -> bool:
+        return gc.isenabled()
+
+
+def test_requests_run_with_the_collector_paused_and_it_runs_again_after():
+    """Both lanes may overlap (and a decision pauses it too): the collector runs again once no request runs, a
+    raise included."""
+    assert InThreads(Inline(), Inline()).submit(Collecting()).result() is False
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with collector_paused():
+            with collector_paused():  # the other lane's request
+                assert not gc.isenabled()
+            assert not gc.isenabled(), "one request still runs"
+            raise RuntimeError("a search that raises")
+    assert gc.isenabled()
 
 
 def test_a_search_that_raises_is_its_futures_error_and_the_child_goes_on():

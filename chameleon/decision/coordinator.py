@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
@@ -66,18 +67,37 @@ class Transition:
         return self.decision.chosen.t_step
 
 
+class _Pauses:
+    """The pauses of the collector under way in this process (threads, nesting), and whether it ran before the
+    first."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.enabled = True
+
+
+_PAUSES = _Pauses()
+
+
 @contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector paused for a decision, as it was after: a decision allocates objects by
-    the hundred thousand (its manifest's moves), and every full collection they would set off on the way walks the
-    controller's whole heap (0.2 s each at 4,096 devices); they are collected afterwards, as usual."""
-    enabled = gc.isenabled()
-    gc.disable()
+def collector_paused():
+    """Python's cyclic garbage collector paused for a decision, as it was after the last of those that overlap: a
+    decision allocates objects by the hundred thousand (its manifest's moves), and every full collection they would
+    set off on the way walks the whole heap (0.2 s each at 4,096 devices); they are collected afterwards, as
+    usual."""
+    with _PAUSES.lock:
+        if not _PAUSES.depth:
+            _PAUSES.enabled = gc.isenabled()
+        _PAUSES.depth += 1
+        gc.disable()
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _PAUSES.lock:
+            _PAUSES.depth -= 1
+            if not _PAUSES.depth and _PAUSES.enabled:
+                gc.enable()
 
 
 class Coordinator:
@@ -122,7 +142,7 @@ class Coordinator:
             self._estimated = (plan, estimate_step(self.profile, plan, reroute_slots=self.policy.reroute_slots).t_step)
         return self._estimated[1]
 
-    @_collector_paused()
+    @collector_paused()
     def recover(
         self, resident: Plan, *, alive: set[int], next_step: int, saved: SavedState | None, now: float,
         fault_times: list[float], elapsed_s: float, precomputed: Plan | None, fresh: str | None = None,
@@ -165,7 +185,7 @@ class Coordinator:
         return dict(checkpoint_age_s=now - saved.committed_at if saved else None, checkpoint_interval_s=interval,
                     domains=self.domains, in_process=True)
 
-    @_collector_paused()
+    @collector_paused()
     def grow(self, resident: Plan, *, alive: set[int], joining: set[int], fault_times: list[float], elapsed_s: float,
              saved: SavedState | None = None, now: float = 0.0, measured: Measured = Measured(),
              precomputed: Plan | None = None) -> Transition | Decision:
@@ -184,7 +204,7 @@ class Coordinator:
             return decision
         return self._transition(decision, decision.chosen.plan, members, None, manifest(decision.chosen.plan), None)
 
-    @_collector_paused()
+    @collector_paused()
     def reshape(self, resident: Plan, *, alive: set[int], speeds: Speeds, step_s: float, horizon_s: float,
                 fault_times: list[float], elapsed_s: float, saved: SavedState | None = None,
                 now: float = 0.0) -> Transition | Decision:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from chameleon.decision.config import PolicyConfig
-from chameleon.decision.coordinator import Coordinator, Transition
+from chameleon.decision.coordinator import Coordinator, Transition, collector_paused
 from chameleon.decision.planner import Gate, Planner, Precomputed
 from chameleon.decision.profiler import Profile
 from chameleon.decision.selector import Decision, precompute_replans
@@ -105,11 +105,15 @@ class Workshop:
             del self.ahead[old]
 
     def serve(self, request: Request) -> object:
-        """Carry ``request`` out; a decision holds the planner's searches ahead of need (:class:`Gate`) meanwhile."""
-        if request.lane != DECIDER:
-            return request.run(self)
-        with self.gate.closed():
-            return request.run(self)
+        """Carry ``request`` out with Python's cyclic collector paused
+        (:func:`~chameleon.decision.coordinator.collector_paused`: at 8,192 devices its passes over the precomputes'
+        720,000 live objects were a third of a node loss's decision with its placement and encoding, 1.03 → 0.68 s);
+        a decision holds the planner's searches ahead of need (:class:`Gate`) meanwhile."""
+        with collector_paused():
+            if request.lane != DECIDER:
+                return request.run(self)
+            with self.gate.closed():
+                return request.run(self)
 
 
 class Request(ABC):
