@@ -10,13 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from chameleon.decision.coordinator import collector_paused
+from chameleon.decision.coordinator import collect_unless_paused, collector_paused
 from chameleon.decision.profiler import load_profile
 from chameleon.runtime.control.core import Core
 from chameleon.runtime.control.offload import OWN_NODE, PROCESS_NAME, InChild, Moved, PlanningDied, light
@@ -188,6 +189,26 @@ def test_requests_run_with_the_collector_paused_and_it_runs_again_after():
             assert not gc.isenabled(), "one request still runs"
             raise RuntimeError("a search that raises")
     assert gc.isenabled()
+
+
+def test_what_a_pause_deferred_is_collected_after_it_not_during_another():
+    """The planning process collects after each result it sends (its next request no longer pays for it), unless
+    the other lane's request still runs."""
+
+    class Cycle:
+        pass
+
+    def garbage() -> weakref.ref:
+        a, b = Cycle(), Cycle()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    with collector_paused():
+        cycle = garbage()
+        collect_unless_paused()
+        assert cycle() is not None, "no collection while a request runs"
+    collect_unless_paused()
+    assert cycle() is None
 
 
 def test_a_search_that_raises_is_its_futures_error_and_the_child_goes_on():

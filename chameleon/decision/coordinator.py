@@ -100,6 +100,14 @@ def collector_paused():
                 gc.enable()
 
 
+def collect_unless_paused() -> None:
+    """A full collection now, unless a pause is under way (:func:`collector_paused`; it collects when it ends):
+    what the pauses deferred is collected at a moment of the caller's choosing, not in the first allocations after
+    them (a planning process's next request)."""
+    if not _PAUSES.depth:
+        gc.collect()
+
+
 class Coordinator:
     """Turns faults and re-joins into generations (see the module doc)."""
 
