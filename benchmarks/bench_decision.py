@@ -1,8 +1,8 @@
 """The controller's decisions at scale, off the cluster: what a fault costs the controller's event loop.
 
 The job of ``bench_control_plane.py`` (Llama-2-7B, one 8-stage pipeline per node of 8 devices, the analytic
-H100 profile), decided by the real :class:`~chameleon.decision.coordinator.Coordinator` as the core calls it,
-with the budget of ``policy.decide_budget_s``. Per size: the precompute the planner's thread runs after a
+H100 profile), decided by the real :class:`~chameleon.decision.coordinator.Coordinator` as the core calls it (the cyclic
+collector paused, as in the planning process), with the budget of ``policy.decide_budget_s``. Per size: the precompute the planner's thread runs after a
 generation starts (one device's, and one to four whole nodes' losses); a node lost with that precompute and
 without it; four nodes lost at once, precomputed; and a second node lost on the uneven plan the first
 recovery chose, searched (a fault outside the precomputed set). Each decision includes its plan's placement,
@@ -24,6 +24,7 @@ from chameleon.decision.planner import Planner
 from chameleon.decision.profiler import load_profile
 from chameleon.decision.selector import precompute_replans
 from chameleon.layout.geometry import geometry_of
+from chameleon.runtime.control.planning import collector_paused
 
 SIZES = (1024, 2048, 4096, 8192)
 DOMAIN_NODES = 4  # ft.fault_domain_nodes in the benchmark's job
@@ -54,16 +55,18 @@ def run_size(devices: int) -> dict:
     def lose(resident, alive, lost_nodes, *, coord, ahead=None):
         alive = alive - {d for n in lost_nodes for d in domains[n]}
         start = time.perf_counter()
-        placed = ahead.plan_for(geometry_of(resident).units(alive), resident, profile) if ahead else None
-        transition = coord.recover(resident, alive=alive, next_step=10, saved=None, now=0.0, fault_times=[],
-                                   elapsed_s=600.0, precomputed=placed)
+        with collector_paused():  # as the planning process runs a decision
+            placed = ahead.plan_for(geometry_of(resident).units(alive), resident, profile) if ahead else None
+            transition = coord.recover(resident, alive=alive, next_step=10, saved=None, now=0.0, fault_times=[],
+                                       elapsed_s=600.0, precomputed=placed)
         publish(coord, transition.plan)
         return time.perf_counter() - start, transition, alive
 
     everyone = set(range(devices))
     coord = coordinator()
     start = time.perf_counter()
-    ahead = precompute_replans(plan, coord.planner, {1} | {n * PER_NODE for n in range(1, DOMAIN_NODES + 1)})
+    with collector_paused():
+        ahead = precompute_replans(plan, coord.planner, {1} | {n * PER_NODE for n in range(1, DOMAIN_NODES + 1)})
     precompute_s = time.perf_counter() - start
     node_pre, _, _ = lose(plan, everyone, [nodes - 1], coord=coord, ahead=ahead)
     four_pre, _, _ = lose(plan, everyone, range(nodes - DOMAIN_NODES, nodes), coord=coord, ahead=ahead)

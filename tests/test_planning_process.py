@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from chameleon.decision.coordinator import collect_unless_paused, collector_paused
 from chameleon.decision.profiler import load_profile
 from chameleon.runtime.control.core import Core
 from chameleon.runtime.control.offload import OWN_NODE, PROCESS_NAME, InChild, Moved, PlanningDied, light
@@ -29,6 +28,8 @@ from chameleon.runtime.control.planning import (
     Recover,
     Request,
     Reshape,
+    collect_unless_paused,
+    collector_paused,
     reframed,
 )
 from chameleon.runtime.node.processes import forkserver

@@ -8,9 +8,6 @@ geometry: every live device, survivors of broken TP stages regrouped into units.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
@@ -67,47 +64,6 @@ class Transition:
         return self.decision.chosen.t_step
 
 
-class _Pauses:
-    """The pauses of the collector under way in this process (threads, nesting), and whether it ran before the
-    first."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.depth = 0
-        self.enabled = True
-
-
-_PAUSES = _Pauses()
-
-
-@contextlib.contextmanager
-def collector_paused():
-    """Python's cyclic garbage collector paused for a decision, as it was after the last of those that overlap: a
-    decision allocates objects by the hundred thousand (its manifest's moves), and every full collection they would
-    set off on the way walks the whole heap (0.2 s each at 4,096 devices); they are collected afterwards, as
-    usual."""
-    with _PAUSES.lock:
-        if not _PAUSES.depth:
-            _PAUSES.enabled = gc.isenabled()
-        _PAUSES.depth += 1
-        gc.disable()
-    try:
-        yield
-    finally:
-        with _PAUSES.lock:
-            _PAUSES.depth -= 1
-            if not _PAUSES.depth and _PAUSES.enabled:
-                gc.enable()
-
-
-def collect_unless_paused() -> None:
-    """A full collection now, unless a pause is under way (:func:`collector_paused`; it collects when it ends):
-    what the pauses deferred is collected at a moment of the caller's choosing, not in the first allocations after
-    them (a planning process's next request)."""
-    if not _PAUSES.depth:
-        gc.collect()
-
-
 class Coordinator:
     """Turns faults and re-joins into generations (see the module doc)."""
 
@@ -150,7 +106,6 @@ class Coordinator:
             self._estimated = (plan, estimate_step(self.profile, plan, reroute_slots=self.policy.reroute_slots).t_step)
         return self._estimated[1]
 
-    @collector_paused()
     def recover(
         self, resident: Plan, *, alive: set[int], next_step: int, saved: SavedState | None, now: float,
         fault_times: list[float], elapsed_s: float, precomputed: Plan | None, fresh: str | None = None,
@@ -193,7 +148,6 @@ class Coordinator:
         return dict(checkpoint_age_s=now - saved.committed_at if saved else None, checkpoint_interval_s=interval,
                     domains=self.domains, in_process=True)
 
-    @collector_paused()
     def grow(self, resident: Plan, *, alive: set[int], joining: set[int], fault_times: list[float], elapsed_s: float,
              saved: SavedState | None = None, now: float = 0.0, measured: Measured = Measured(),
              precomputed: Plan | None = None) -> Transition | Decision:
@@ -212,7 +166,6 @@ class Coordinator:
             return decision
         return self._transition(decision, decision.chosen.plan, members, None, manifest(decision.chosen.plan), None)
 
-    @collector_paused()
     def reshape(self, resident: Plan, *, alive: set[int], speeds: Speeds, step_s: float, horizon_s: float,
                 fault_times: list[float], elapsed_s: float, saved: SavedState | None = None,
                 now: float = 0.0) -> Transition | Decision:

@@ -43,10 +43,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from chameleon.decision.coordinator import Coordinator, collect_unless_paused
+from chameleon.decision.coordinator import Coordinator
 from chameleon.decision.planner import Planner
 from chameleon.layout.plan import Plan
-from chameleon.runtime.control.planning import DECIDER, PLANNER, CostModel, Request, Workshop
+from chameleon.runtime.control.planning import (
+    DECIDER,
+    PLANNER,
+    CostModel,
+    Request,
+    Workshop,
+    collect_unless_paused,
+)
 from chameleon.runtime.protocol.messages import Parcels
 from chameleon.runtime.protocol.errors import TrainingError
 

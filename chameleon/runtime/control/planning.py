@@ -11,13 +11,16 @@ loop's GIL. Both run the same requests through the same :meth:`Workshop.serve`, 
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from chameleon.decision.config import PolicyConfig
-from chameleon.decision.coordinator import Coordinator, Transition, collector_paused
+from chameleon.decision.coordinator import Coordinator, Transition
 from chameleon.decision.planner import Gate, Planner, Precomputed
 from chameleon.decision.profiler import Profile
 from chameleon.decision.selector import Decision, precompute_replans
@@ -84,6 +87,47 @@ def reframed(parcels: Parcels, generation: int) -> Parcels:
     return Parcels(generation, sends)
 
 
+class _Pauses:
+    """The pauses of the collector under way in this process (threads, nesting), and whether it ran before the
+    first."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.enabled = True
+
+
+_PAUSES = _Pauses()
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector paused for a request, as it was after the last of those that overlap: a
+    decision allocates objects by the hundred thousand (its manifest's moves), and every full collection they would
+    set off on the way walks the whole heap (0.2 s each at 4,096 devices); they are collected afterwards
+    (:func:`collect_unless_paused`)."""
+    with _PAUSES.lock:
+        if not _PAUSES.depth:
+            _PAUSES.enabled = gc.isenabled()
+        _PAUSES.depth += 1
+        gc.disable()
+    try:
+        yield
+    finally:
+        with _PAUSES.lock:
+            _PAUSES.depth -= 1
+            if not _PAUSES.depth and _PAUSES.enabled:
+                gc.enable()
+
+
+def collect_unless_paused() -> None:
+    """A full collection now, unless a pause is under way (:func:`collector_paused`): what the pauses deferred is
+    collected at a moment of the caller's choosing, not in the first allocations after them (a planning process's
+    next request)."""
+    if not _PAUSES.depth:
+        gc.collect()
+
+
 class Workshop:
     """A planner and a coordinator, and the precomputes searched with them (by token: a request names the one it
     places from). Each request runs on its lane's one thread; the two lanes share it, and the decisions' goes first:
@@ -105,10 +149,10 @@ class Workshop:
             del self.ahead[old]
 
     def serve(self, request: Request) -> object:
-        """Carry ``request`` out with Python's cyclic collector paused
-        (:func:`~chameleon.decision.coordinator.collector_paused`: at 8,192 devices its passes over the precomputes'
-        720,000 live objects were a third of a node loss's decision with its placement and encoding, 1.03 → 0.68 s);
-        a decision holds the planner's searches ahead of need (:class:`Gate`) meanwhile."""
+        """Carry ``request`` out with Python's cyclic collector paused (:func:`collector_paused`: at 8,192 devices its
+        passes over the precomputes' 720,000 live objects were a third of a node loss's decision with its placement
+        and encoding, 1.03 → 0.68 s); a decision holds the planner's searches ahead of need (:class:`Gate`)
+        meanwhile."""
         with collector_paused():
             if request.lane != DECIDER:
                 return request.run(self)
