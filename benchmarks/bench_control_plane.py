@@ -97,7 +97,7 @@ PER_NODE = 8
 NODES_PER_PROCESS = 256
 SECRET = "bench-control-plane"
 WARM, WINDOW, AFTER = 6, 20, 14  # steps before the measured window, in it, and from the fault to the end (default)
-BACK_AFTER = 4  # the lost node returns this many steps after its loss
+BACK_AFTER = 4  # the lost node returns this many steps after its loss (default)
 
 
 def config_for(devices: int, *, steps: int, port: int) -> tuple[Config, Plan]:
@@ -354,10 +354,10 @@ class _Node:
 
 
 def emulate(nodes: list[int], config: Config, port: int, step_s: float, window: int, victims: frozenset[int],
-            watch: int, planning: mp.Value, out: str) -> None:
+            back_after: int, watch: int, planning: mp.Value, out: str) -> None:
     """Run ``nodes``' agents until the job ends (``window``: the measured steps after ``WARM``; ``victims``: the nodes
-    to lose at once and bring back, those of them here; ``watch``: the controller's pid and ``planning`` its planning
-    process's, whose CPU time the process of node 1 reads)."""
+    to lose at once and bring back ``back_after`` steps later, those of them here; ``watch``: the controller's pid
+    and ``planning`` its planning process's, whose CPU time the process of node 1 reads)."""
     record = {"commits": {}, "publishes": [], "bytes": {}, "cpu": {}, "kill": None, "hello_back": None}
     gc.freeze()
     decode = _Decoded()
@@ -370,7 +370,7 @@ def emulate(nodes: list[int], config: Config, port: int, step_s: float, window: 
     lease_s, live = Timeouts.of(config).renew_s, set(emulated)
     lost_here = sorted(victims & set(emulated))  # the victims among this process's nodes
     kill_at = WARM + window + 1
-    back_at = kill_at + BACK_AFTER
+    back_at = kill_at + back_after
     while live:
         wake = min((emulated[n].pool.next_at() for n in live), default=float("inf"))
         ready = [node for n in live if (node := emulated[n]).link.buffered]
@@ -470,7 +470,8 @@ def _free_ports() -> int:
                     continue
 
 
-def run_size(devices: int, *, step_s: float, window: int, after: int = AFTER, lose: int = 1) -> dict:
+def run_size(devices: int, *, step_s: float, window: int, after: int = AFTER, lose: int = 1,
+             back_after: int = BACK_AFTER) -> dict:
     nodes = devices // PER_NODE
     steps = WARM + window + after
     port = _free_ports()
@@ -483,8 +484,9 @@ def run_size(devices: int, *, step_s: float, window: int, after: int = AFTER, lo
     Path("/proc/self/clear_refs").write_text("5")  # this process's peak memory counts from here
     with tempfile.TemporaryDirectory() as tmp:
         outs = [str(Path(tmp) / f"emulator{i}.json") for i in range(len(chunks))]
-        procs = [ctx.Process(target=emulate, args=(chunk, config, port + 1, step_s, window, victims, os.getpid(),
-                                                   planning, out), daemon=True) for chunk, out in zip(chunks, outs)]
+        procs = [ctx.Process(target=emulate, args=(chunk, config, port + 1, step_s, window, victims, back_after,
+                                                   os.getpid(), planning, out), daemon=True)
+                 for chunk, out in zip(chunks, outs)]
         for p in procs:
             p.start()
         run_dir = Path(tmp) / "run"
@@ -506,8 +508,8 @@ def run_size(devices: int, *, step_s: float, window: int, after: int = AFTER, lo
         records = [json.loads(Path(out).read_text()) for out in outs]
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    return summarise(devices, nodes, step_s, window, records, metrics, events, keys_before, keys_after, wall, peak_gb,
-                     victims)
+    return {**summarise(devices, nodes, step_s, window, records, metrics, events, keys_before, keys_after, wall,
+                        peak_gb, victims), "back_after": back_after}
 
 
 def summarise(devices, nodes, step_s, steps, records, metrics, events, keys_before, keys_after, wall, peak_gb,
@@ -567,6 +569,9 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.5, help="an emulated step's duration")
     parser.add_argument("--after", type=int, default=AFTER, help="steps from the fault to the job's end")
     parser.add_argument("--lose", type=int, default=1, help="nodes lost at once (the last ones), and back together")
+    parser.add_argument("--back-after", type=int, default=BACK_AFTER,
+                        help="steps from the loss to the nodes' return (a node back once the planning process has "
+                             "readied its growth: more than the precompute's and the growth's seconds)")
     parser.add_argument("--plot", help="draw each figure against the number of devices into this PNG")
     parser.add_argument("--report", help="run nothing: report the sizes a --json FILE holds (table, fit, plot)")
     args = parser.parse_args()
@@ -575,6 +580,9 @@ def main() -> None:
                      f"at least {2 * PER_NODE}")
     if args.lose < 1 or any(n // PER_NODE - args.lose < 2 for n in args.devices or SIZES):
         parser.error(f"--lose {args.lose}: lose at least one node, and leave node 0 and one more of every size")
+    if not 1 <= args.back_after < args.after:
+        parser.error(f"--back-after {args.back_after}: the nodes come back at least one step after their loss and "
+                     f"before the job's end (--after {args.after})")
     if args.report and not Path(args.report).is_file():
         parser.error(f"--report {args.report}: no such file (write one with --json FILE)")
     print("| devices | nodes | commit overhead p50 / p99 (ms) | delivered p99 (ms) | controller CPU (ms/step) | "
@@ -589,11 +597,12 @@ def main() -> None:
         sizes = args.devices or ((64,) if args.quick else SIZES)
         step_s = 0.25 if args.quick else args.step_s
         header(f"real controller and agents, emulated workers, {PER_NODE} per node, {NODES_PER_PROCESS} nodes per emulator"
-               + (f", {args.lose} nodes lost at once" if args.lose > 1 else ""))
+               + (f", {args.lose} nodes lost at once" if args.lose > 1 else "")
+               + (f", back {args.back_after} steps after their loss" if args.back_after != BACK_AFTER else ""))
         results = []
         for devices in sizes:
             results.append(run_size(devices, step_s=step_s, window=8 if args.quick else WINDOW, after=args.after,
-                                    lose=args.lose))
+                                    lose=args.lose, back_after=args.back_after))
             print(_row(results[-1]), flush=True)
             if args.json:  # kept size by size: a later size that cannot run loses nothing
                 Path(args.json).write_text(json.dumps(results, indent=1))

@@ -18,6 +18,7 @@ from chameleon.config import CONF_DIR, build_plan, register_configs, tags_honour
 from chameleon.decision.coordinator import Transition
 from chameleon.decision.profiler import load_profile
 from chameleon.faults.spec import FaultSpec
+from chameleon.layout.relayout import relayout_held
 from chameleon.runtime.control.core import Core
 from chameleon.runtime.control.events import (
     Admit,
@@ -74,6 +75,7 @@ from chameleon.runtime.protocol.messages import (
     Standby,
     Start,
     Welcome,
+    parcel,
 )
 from chameleon.runtime.protocol.position import Position
 
@@ -603,6 +605,43 @@ def test_a_node_back_to_the_plan_it_left_is_decided_while_the_precompute_still_r
     (told,) = of(out, GrowingBack)
     assert told.devices == (2, 3) and set(core.spec.devices) == set(before.devices) == {0, 1, 2, 3}
     assert all(f.cancelled() or not f.done() for f, *_ in planner.jobs), "decided while the precompute is still queued"
+
+
+def test_a_growth_onto_the_devices_lost_is_readied_while_they_are_away(monkeypatch):
+    """The generation after a loss starts: the growth onto the lost devices is decided ahead (after the precompute,
+    on the planner's lane), its manifest built and its moves encoded. Once they are back, the growth chooses the
+    same plan and finds both: no manifest is built and nothing encoded again, and every node is sent its part of
+    the manifest from the running plan onto the grown one, as a fresh build of it says."""
+    import chameleon.decision.coordinator as coordinator
+    import chameleon.runtime.control.planning as planning
+
+    built, encoded = [], []
+    monkeypatch.setattr(coordinator, "relayout_held", lambda *a, **kw: built.append(1) or relayout_held(*a, **kw))
+    monkeypatch.setattr(planning, "parcel", lambda *a, **kw: encoded.append(kw["generation"]) or parcel(*a, **kw))
+    clock = FakeClock()
+    core = started(core_of("policy.name=dynamic", clock=clock))
+    step(core, 0)
+    core.handle(Lost(1, "gone"))
+    g = core.generation
+    encoded.clear()  # the recovery's own moves
+    core.handle(Received(0, NodeReady(0, g, (0, 1))))  # generation g starts: the precompute, then the growth ahead
+    step(core, 1, nodes=(0,), norm=(1.0,))
+    assert encoded == [g + 1], "the growth onto devices 2 and 3 was readied, encoded for the generation after"
+    running, readied = core.resident, len(built)
+    core.handle(Registered(hello(core, 1, returning=True)))
+    for d in (2, 3):
+        core.handle(Received(1, Standby(d, g)))
+    clock.advance(1.0)
+    core.handle(Tick())
+    out = step(core, 2, nodes=(0,), norm=(1.0,))
+    (told,) = of(out, GrowingBack)
+    assert told.devices == (2, 3) and core.generation == g + 1 and set(core.spec.devices) == {0, 1, 2, 3}
+    assert (len(built), encoded) == (readied, [g + 1]), "the growth found its manifest and moves built"
+    coord = core.coordinator
+    fresh = relayout_held(coord.holdings(running), coord.holdings(core.spec.plan), survivors=[0, 1, 2, 3])
+    expected = parcel(fresh, generation=g + 1, nodes=range(2), node_of=core.topology.node_of)
+    assert {e.node: e.payload for e in out if isinstance(e, Send) and isinstance(e.message, Moves)} == \
+        {node: payload for node, (_, payload) in expected.sends.items()}
 
 
 @pytest.mark.parametrize(("device", "backend", "tagless"), [("cpu", None, False), ("cuda", "gloo", False),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 
 from chameleon.decision.config import PolicyConfig
@@ -28,6 +28,7 @@ from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
 
 LAYOUTS_KEPT = 4
+MANIFESTS_KEPT = 3  # a recovery's, a growth readied ahead of its devices' return, the one deciding now
 
 
 class NoRecovery(RuntimeError):
@@ -41,6 +42,21 @@ class SavedState:
     committed_steps: int
     committed_at: float
     root: Path
+
+
+@dataclass
+class _Moves:
+    """The manifest from ``resident`` onto ``plan`` among ``survivors``, and the most bytes a device needs while it
+    runs (once asked)."""
+
+    resident: Plan
+    survivors: frozenset[int]
+    plan: Plan
+    manifest: Manifest
+    peak: float | None = None
+
+    def of(self, resident: Plan, survivors: frozenset[int], plan: Plan) -> bool:
+        return self.resident is resident and self.survivors == survivors and (self.plan is plan or self.plan == plan)
 
 
 @dataclass(frozen=True)
@@ -80,6 +96,7 @@ class Coordinator:
         self._estimated: tuple[Plan | None, float] = (None, 0.0)
         self._layouts: list[tuple[Plan, Layout]] = []
         self._holdings: list[tuple[Plan, dict[int, dict[str, Region]]]] = []
+        self._moves: list[_Moves] = []  # the last few manifests built (:data:`MANIFESTS_KEPT`)
 
     def layout(self, plan: Plan) -> Layout:
         """``plan``'s layout (the last few plans' are kept)."""
@@ -121,12 +138,11 @@ class Coordinator:
             NoRecovery: no candidate is feasible (some region lost with no checkpoint, says which).
         """
         failed = set(resident.devices) - alive
-        manifest = self._manifests(resident, alive)
         decision = decide(
             self.profile, resident, failed, policy=self.policy, planner=self._bounded(), precomputed=precomputed,
             fault_times=fault_times, elapsed_s=elapsed_s, idle=alive - set(resident.devices),
             measured=measured, tp_sizes=self.tp_sizes, speeds=speeds, tagless=self.tagless,
-            relayout_peak=None if fresh is not None else self._peak(resident, manifest),
+            relayout_peak=None if fresh is not None else self._peak(resident, alive),
             **self._fallback(resident, saved, now),
         )
         chosen = decision.chosen
@@ -136,7 +152,8 @@ class Coordinator:
             return self._transition(decision, chosen.plan, alive, saved.committed_steps, None, str(saved.root))
         if fresh is not None:
             return self._transition(decision, chosen.plan, alive, next_step, None, fresh or None)
-        return self._transition(decision, chosen.plan, alive, next_step, manifest(chosen.plan), None)
+        return self._transition(decision, chosen.plan, alive, next_step, self._manifest(resident, alive, chosen.plan),
+                                None)
 
     def _bounded(self) -> Planner:
         """The planner, its searches bounded by ``policy.decide_budget_s`` from now (anytime: the best found)."""
@@ -157,14 +174,14 @@ class Coordinator:
         Its ``resume_step`` is left to the caller: the step after the commit it switches at.
         """
         idle, members = joining | (alive - set(resident.devices)), alive | joining
-        manifest = self._manifests(resident, members)
         decision = decide_growth(self.profile, resident, idle, policy=self.policy, planner=self._bounded(),
                                  fault_times=fault_times, elapsed_s=elapsed_s, measured=measured,
-                                 precomputed=precomputed, relayout_peak=self._peak(resident, manifest),
+                                 precomputed=precomputed, relayout_peak=self._peak(resident, members),
                                  **self._fallback(resident, saved, now))
         if decision.choice != "grow":
             return decision
-        return self._transition(decision, decision.chosen.plan, members, None, manifest(decision.chosen.plan), None)
+        plan = decision.chosen.plan
+        return self._transition(decision, plan, members, None, self._manifest(resident, members, plan), None)
 
     def reshape(self, resident: Plan, *, alive: set[int], speeds: Speeds, step_s: float, horizon_s: float,
                 fault_times: list[float], elapsed_s: float, saved: SavedState | None = None,
@@ -173,26 +190,42 @@ class Coordinator:
         to tolerate them on ``resident`` (:func:`~chameleon.decision.selector.decide_slow`). ``step_s``: the step
         time measured on ``resident`` lately, at these speeds. Its ``resume_step`` is left to the caller."""
         estimate = estimate_step(self.profile, resident, reroute_slots=self.policy.reroute_slots, speeds=speeds).t_step
-        manifest = self._manifests(resident, alive)
         decision = decide_slow(self.profile, resident, speeds, policy=self.policy, planner=self._bounded(),
                                horizon_s=horizon_s, scale=step_s / estimate if estimate > 0 else 1.0,
                                idle=alive - set(resident.devices), fault_times=fault_times, elapsed_s=elapsed_s,
-                               tagless=self.tagless, relayout_peak=self._peak(resident, manifest),
+                               tagless=self.tagless, relayout_peak=self._peak(resident, alive),
                                **self._fallback(resident, saved, now))
         if decision.choice == "tolerate":
             return decision
-        return self._transition(decision, decision.chosen.plan, alive, None, manifest(decision.chosen.plan), None)
+        plan = decision.chosen.plan
+        return self._transition(decision, plan, alive, None, self._manifest(resident, alive, plan), None)
 
-    def _manifests(self, resident: Plan, survivors: set[int]) -> Callable[[Plan], Manifest]:
-        """The manifest from ``resident`` onto a plan, moving state among ``survivors``: built once per plan (the
-        selector's memory check and the transition share it)."""
-        held, alive = self.holdings(resident), sorted(survivors)
-        return cache(lambda plan: relayout_held(held, self.holdings(plan), survivors=alive))
+    def _manifest(self, resident: Plan, survivors: set[int], plan: Plan) -> Manifest:
+        """The manifest from ``resident`` onto ``plan``, moving state among ``survivors`` (:meth:`_moved`)."""
+        return self._moved(resident, frozenset(survivors), plan).manifest
 
-    def _peak(self, resident: Plan, manifest: Callable[[Plan], Manifest]) -> Callable[[Plan], float]:
-        """The most bytes a device needs while ``manifest``'s state moves from ``resident`` onto a plan."""
-        costs = self.profile.memory_costs
-        return lambda plan: max(relayout_memory(costs, manifest(plan), resident, plan).values(), default=0.0)
+    def _moved(self, resident: Plan, survivors: frozenset[int], plan: Plan) -> _Moves:
+        """The manifest onto ``plan`` and its peak, built once: the selector's memory check and the transition share
+        it, and a decision onto a plan equal to one of the last few finds it built (a growth readied before its
+        devices came back: :class:`~chameleon.runtime.control.planning.GrowAhead`)."""
+        for i, moves in enumerate(self._moves):
+            if moves.of(resident, survivors, plan):
+                self._moves.insert(0, self._moves.pop(i))
+                return moves
+        manifest = relayout_held(self.holdings(resident), self.holdings(plan), survivors=sorted(survivors))
+        self._moves[:] = [_Moves(resident, survivors, plan, manifest), *self._moves[:MANIFESTS_KEPT - 1]]
+        return self._moves[0]
+
+    def _peak(self, resident: Plan, survivors: set[int]) -> Callable[[Plan], float]:
+        """The most bytes a device needs while state moves from ``resident`` onto a plan among ``survivors``."""
+        survivors, costs = frozenset(survivors), self.profile.memory_costs
+
+        def peak(plan: Plan) -> float:
+            moves = self._moved(resident, survivors, plan)
+            if moves.peak is None:
+                moves.peak = max(relayout_memory(costs, moves.manifest, resident, plan).values(), default=0.0)
+            return moves.peak
+        return peak
 
     def _transition(self, decision, plan, members, resume_step, manifest, checkpoint) -> Transition:
         return Transition(decision, plan, tuple(sorted(members)), resume_step, manifest, checkpoint)

@@ -5,7 +5,7 @@ said (a thread, a child process)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING
 from chameleon.decision.profiler import Profile
 from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Plan
-from chameleon.layout.relayout import Manifest
-from chameleon.runtime.protocol.messages import Parcels
 
 if TYPE_CHECKING:
     from chameleon.decision.planner import Precomputed
@@ -47,15 +45,6 @@ def placed_ahead(precomputed: Precomputed | None, resident: Plan, devices: Colle
     with contextlib.suppress(Exception):
         return precomputed.plan_for(units, resident, profile)
     return None
-
-
-def parcelled(decide: Callable, parcel: Callable[[Manifest], Parcels], /, *args,
-              **kwargs) -> tuple[object, Parcels | None]:
-    """``decide(*args, **kwargs)``, and the :class:`~chameleon.runtime.protocol.messages.Moves` of the transition it
-    returns, if that moves state, encoded by ``parcel`` in the same thread: the event loop only sends them."""
-    outcome = decide(*args, **kwargs)
-    manifest = getattr(outcome, "manifest", None)
-    return outcome, None if manifest is None else parcel(manifest)
 
 
 class Background:

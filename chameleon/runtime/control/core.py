@@ -494,6 +494,8 @@ class Core:
             token = next(self.tokens)
             self.precomputed.submit(self.resident, token, Precompute(token, self.resident,
                                                                      frozenset(self._likely_losses()), frozenset(away)))
+            self.growth.ready(set(range(self.world)) - self.membership.members, resident=self.resident, ahead=token,
+                              parcel=self._parcel(), context=self._growth_context)
         now = self.clock.wall()
         self.last_commit = self.clock.mono()
         self.watchdog.progressed(self.last_commit)
@@ -787,7 +789,11 @@ class Core:
             self.growth.consider(self.membership.standby, restarting=bool(self.membership.of(Lifecycle.restarting)),
                                  now=self.clock.wall(), resident=self.resident,
                                  ahead=self._ahead(), ready=self._precomputed() is not None, parcel=self._parcel(),
-                                 context=lambda: {**self._context(), "measured": self._measured()})
+                                 context=self._growth_context)
+
+    def _growth_context(self) -> dict:
+        """What a growth is decided with: every decision's context, and the step times measured."""
+        return {**self._context(), "measured": self._measured()}
 
     def _switch(self, grown: Transition, parcels: Parcels | None) -> int:
         """Publish the grown generation; the devices it takes in are members from now on."""
@@ -813,7 +819,7 @@ class Core:
 
     def close(self) -> None:
         """Cancel background planning and a recovery's decision (the end supersedes them)."""
-        for background in (self.precomputed, self.growth.background, self.reshape.background):
+        for background in (self.precomputed, self.growth.background, self.growth.readying, self.reshape.background):
             background.cancel()
         self.recovery.cancel()
 

@@ -13,7 +13,7 @@ from chameleon.report.breakdown import Span
 from chameleon.runtime.control.background import Background
 from chameleon.runtime.control.events import Record
 from chameleon.runtime.control.notices import GrowingBack, Grew, GrowthDeclined
-from chameleon.runtime.control.planning import Grow, Parcelling, Planning
+from chameleon.runtime.control.planning import Grow, GrowAhead, Parcelling, Planning
 from chameleon.runtime.control.timelines import Growth
 from chameleon.runtime.protocol.messages import Parcels
 
@@ -30,6 +30,7 @@ class Grower:
 
     def __init__(self, planning: Planning, emit: Callable[[object], None]):
         self.background = Background(planning)
+        self.readying = Background(planning)  # the growth onto every device out of the job, decided ahead
         self.emit = emit
         self.declined: frozenset[int] = frozenset()  # the devices back when growing last did not pay
         self.timeline: Growth | None = None  # a growth decided, until its first commit
@@ -50,7 +51,19 @@ class Grower:
             return  # a node's devices come back together: wait a moment for the rest
         kwargs = {"joining": set(joining), **context()}
         ran = None if ready else kwargs["measured"].ran_on(set(resident.devices) | joining | kwargs["alive"])
+        if ran is not None:
+            self.readying.cancel()  # decided without it: whatever it would build is not this growth's
         self.background.submit(resident, joining, Grow(resident, ahead, parcel, kwargs, ran))
+
+    def ready(self, out: set[int], *, resident: Plan, ahead: int, parcel: Parcelling,
+              context: Callable[[], dict]) -> None:
+        """Devices ``out`` of the job (lost, restarting, on standby) while ``resident`` starts: decide now, after the
+        precompute ``ahead``, the growth :meth:`consider` will ask for once they are all back, so that its manifest and
+        encoded moves are built by then (:class:`~chameleon.runtime.control.planning.GrowAhead`)."""
+        self.readying.cancel()
+        if out:
+            self.readying.submit(resident, frozenset(out), GrowAhead(resident, ahead, parcel,
+                                                                      {"joining": set(out), **context()}))
 
     def ripe(self, resident: Plan, standby: Mapping[int, float],
              now: float) -> tuple[Transition, Parcels | None] | None:
@@ -98,3 +111,4 @@ class Grower:
         """A fault supersedes the growth (a search under way finishes unheard)."""
         self.timeline = None
         self.background.cancel()
+        self.readying.cancel()
