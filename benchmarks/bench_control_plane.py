@@ -13,7 +13,9 @@ one 8-stage pipeline per node), its links and its recorder — and node agents t
 speak the real protocol (:class:`~chameleon.runtime.node.agent.Agent` over real
 authenticated links on loopback), packed by the hundred into a few emulator
 processes. Only the workers are emulated: a step is a sleep of ``--step-s`` with
-±10 % jitter, after which each device hands its agent the ``Synced`` its plan implies
+±10 % jitter on the job's first plan, and on any other scaled by its slowest pipeline's 1F1B length
+((micro-batches + stages − 1) × its largest stage's layers: a re-plan onto fewer devices steps slower, as
+real ones do, so a growth back can pay), after which each device hands its agent the ``Synced`` its plan implies
 (the samples of the micro-batches whose last stage it runs), and a commit starts the
 next step. Node 0's agent runs in the controller's process, as always; a thread wakes the
 controller's loop when its emulated workers' next report is due.
@@ -94,6 +96,8 @@ from chameleon.runtime.protocol.timeouts import Timeouts
 
 SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 PER_NODE = 8
+LAYERS = 32  # Llama-2-7B's
+FIRST_PIPELINE = even_plan(dp=1, pp=PER_NODE, tp=1, n_layers=LAYERS, global_batch=PER_NODE, micro_batch=1)
 NODES_PER_PROCESS = 256
 SECRET = "bench-control-plane"
 WARM, WINDOW, AFTER = 6, 20, 14  # steps before the measured window, in it, and from the fault to the end (default)
@@ -117,7 +121,7 @@ def config_for(devices: int, *, steps: int, port: int) -> tuple[Config, Plan]:
             "output.progress=false", "output.save_params=false", "report.plots=false", "train.clip_norm=0",
             "ft.heartbeat_timeout_s=5", "launcher.join_timeout_s=600",
         ])
-    plan = even_plan(dp=nodes, pp=8, tp=1, n_layers=32, global_batch=8 * nodes, micro_batch=1)
+    plan = even_plan(dp=nodes, pp=PER_NODE, tp=1, n_layers=LAYERS, global_batch=PER_NODE * nodes, micro_batch=1)
     return to_config(cfg), plan
 
 
@@ -132,7 +136,9 @@ class EmulatedPool:
     """
 
     def __init__(self, agent: Agent, *, step_s: float, steps: int, seed: int, seen=None):
-        self.agent, self.step_s, self.steps, self.seen = agent, step_s, steps, seen
+        """``step_s``: a step's duration on a plan of one 8-stage pipeline per node (the job's first)."""
+        self.agent, self.steps, self.seen = agent, steps, seen
+        self.pace = step_s / _length(FIRST_PIPELINE)  # seconds per layer-micro-batch (:func:`_length`)
         self.rng = random.Random(seed)
         self.generation = -1
         self.alive: set[int] = set()
@@ -189,7 +195,7 @@ class EmulatedPool:
     def _step(self, k: int) -> None:
         spec, batch = self.spec, self.spec.plan.global_batch
         for d, runs in self.runs.items():
-            delay = self.step_s * self.rng.uniform(0.9, 1.1)
+            delay = self.pace * _length(spec.plan) * self.rng.uniform(0.9, 1.1)
             samples = tuple((k * batch + lo, k * batch + hi) for lo, hi in runs)
             self._at(delay, Synced(d, spec.generation, k, 1e-3 * sum(hi - lo for lo, hi in runs), samples, delay))
 
@@ -264,6 +270,16 @@ def _runs_of(plan: Plan, devices: set[int]) -> dict[int, list[tuple[int, int]]]:
 
 
 _RUNS: dict[int, tuple[Plan, dict]] = {}
+_LENGTHS: dict[int, tuple[Plan, int]] = {}
+
+
+def _length(plan: Plan) -> int:
+    """How long ``plan``'s step is, in layer-micro-batches: its slowest pipeline's (micro-batches + stages − 1) × its
+    largest stage's layers (1F1B's fill, steady state and drain; reroutes left out). Found once per plan."""
+    if id(plan) not in _LENGTHS:
+        _LENGTHS[id(plan)] = plan, max((p.micro_batches + p.n_stages - 1) * max(st.n_layers for st in p.stages)
+                                       for p in plan.pipelines if p.stages)
+    return _LENGTHS[id(plan)][1]
 
 
 def _all_runs(plan: Plan) -> dict[int, list[tuple[int, int]]]:
