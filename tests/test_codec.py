@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import pickle
+import random
 import struct
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from omegaconf import OmegaConf
 
 from chameleon.config import CONF_DIR, Backend, Device, Dtype, register_configs, to_config
 from chameleon.faults.spec import FaultKind, FaultSpec
-from chameleon.layout.plan import even_plan
+from chameleon.layout.plan import Reroute, even_plan
 from chameleon.layout.relayout import Manifest, manifest_parts, relayout
 from chameleon.model.config import ModelConfig
 from chameleon.model.spec import spec_of
@@ -47,7 +49,8 @@ def test_messages_specs_and_manifests_survive_a_round_trip():
     manifest = relayout(spec_of(model).layout(model, old), spec_of(model).layout(model, new), survivors=range(6))
     spec = GenerationSpec(3, new, tuple(range(6)), 7, None, None, (0, 1), moves=True)
     messages = [
-        Publish(spec), Moves(3, manifest_parts(manifest, lambda d: d // 4)[0]),
+        Publish(spec), GenerationSpec(3, new, (5, 0, 1, 2), 7, manifest, "ckpt/3", (2, 1, 0), moves=True),
+        Moves(3, manifest_parts(manifest, lambda d: d // 4)[0]),
         Commit(3, 7, CommitOrder(save=True, switch_to=4), 1.5, 1.25e9),
         NodeSynced(1, 3, 7, (4, 5), 0.75, sample_ranges([5, 4, 7, 6, 9]), 0.2, None, 1.0),
         NodeSynced(1, 3, 7, (4, 5), float("inf"), ((8, 9),), 0.2, 2.5, 1.0, (5,), ((4, 2**40), (5, 7)),
@@ -63,6 +66,30 @@ def test_messages_specs_and_manifests_survive_a_round_trip():
     assert last.grad_norm == float("inf") and last.t_published != last.t_published  # nan survives as nan
     assert roundtrip(manifest) == manifest
     assert sample_ranges([5, 4, 7, 6, 9]) == ((4, 8), (9, 10)) and sample_ranges([1, 1, 2]) == ((1, 2), (1, 3))
+
+
+def test_a_spec_of_thousands_of_devices_reaches_each_node_in_a_few_kilobytes():
+    """Each generation's spec goes to every node: its plan's devices, its members and its writers travel as runs of
+    consecutive ids (a plan keeps devices where they were: a few runs), not as one number each; any order and any
+    TP width survive, and a frame whose runs do not fill its stages is refused."""
+    plan = even_plan(dp=1024, pp=8, tp=1, n_layers=32, global_batch=8192, micro_batch=1)
+    replan = replace(plan, pipelines=plan.pipelines[:-1])  # the last node lost: 8,184 devices in 1,023 pipelines
+    spec = GenerationSpec(5, replan, replan.devices, 40, writers=replan.pipelines[0].devices, evaluated=39)
+    frame = codec.encode(Publish(spec))
+    assert len(frame) < 4096, f"{len(frame)} bytes to each of 1,023 nodes"
+    assert codec.decode(frame) == Publish(spec)
+    shuffled = even_plan(dp=3, pp=2, tp=2, n_layers=4, global_batch=12, micro_batch=2)
+    order = random.Random(0).sample(range(12), 12)
+    pipelines = tuple(replace(p, stages=tuple(replace(st, devices=tuple(order[d] for d in st.devices))
+                                              for st in p.stages)) for p in shuffled.pipelines)
+    scrambled = replace(shuffled, pipelines=pipelines, reroutes=(Reroute(1, 0, (0, 2)),))
+    assert roundtrip(GenerationSpec(1, scrambled, tuple(order), 0)) == GenerationSpec(1, scrambled, tuple(order), 0)
+    doc = json.loads(codec.encode(GenerationSpec(1, scrambled, (), 0))[8:])
+    for runs in ([0, 11], [0, 13], [0, 12, 20, 0], [0, 1 << 30]):
+        doc["p"][1][3] = runs
+        body = json.dumps(doc).encode()
+        with pytest.raises(codec.CodecError):
+            codec.decode(struct.pack("<4sI", b"CHM1", len(body)) + body)
 
 
 def test_each_nodes_moves_are_encoded_together_and_decode_to_its_part_of_the_manifest():

@@ -35,15 +35,32 @@ Samples = tuple[tuple[int, int], ...]
 """Global sample ids as sorted, disjoint half-open ranges."""
 
 
+MAX_IDS = 1 << 24  # devices a frame may list: more than any job has (a lying frame builds no huge tuple)
+
+
+def _runs(ids: Iterable[int]) -> list[int]:
+    """``ids`` in their order as runs of consecutive ints, flat: ``[first, count, …]`` (a plan's devices, pipeline by
+    pipeline, are a few runs: placement keeps devices where they were)."""
+    out: list[int] = []
+    for i in ids:
+        if out and out[-2] + out[-1] == i:
+            out[-1] += 1
+        else:
+            out += (i, 1)
+    return out
+
+
+def _unruns(flat: list) -> tuple[int, ...]:
+    counts = flat[1::2]
+    if len(flat) % 2 or any(n < 1 for n in counts) or sum(counts) > MAX_IDS:
+        raise ValueError(f"ids packed as other than [first, count, …] runs of at most {MAX_IDS} in all")
+    return tuple(i for first, n in zip(flat[::2], counts) for i in range(first, first + n))
+
+
 def sample_ranges(ids) -> Samples:
     """``ids`` as sorted, merged half-open ranges (duplicates kept apart, so the ledger sees them)."""
-    out: list[list[int]] = []
-    for i in sorted(ids):
-        if out and out[-1][1] == i:
-            out[-1][1] = i + 1
-        else:
-            out.append([i, i + 1])
-    return tuple((a, b) for a, b in out)
+    flat = _runs(sorted(ids))
+    return tuple((first, first + n) for first, n in zip(flat[::2], flat[1::2]))
 
 
 # ----- the job's state, pushed down ---------------------------------------------------------
@@ -443,18 +460,37 @@ PUSHED = (Moves, Publish, Begin, Commit, Flag, End)
 """What an agent forwards to its workers."""
 
 def _pack_plan(plan: Plan) -> list:
-    pipelines = [[p.micro_batches, [[*st.layers, list(st.devices), str(st.recompute)] for st in p.stages]]
+    pipelines = [[p.micro_batches, [[*st.layers, len(st.devices), str(st.recompute)] for st in p.stages]]
                  for p in plan.pipelines]
-    return [plan.n_layers, plan.micro_batch_size, pipelines, [[r.pipeline, r.stage, list(r.hosts)] for r in plan.reroutes]]
+    return [plan.n_layers, plan.micro_batch_size, pipelines, _runs(plan.devices),
+            [[r.pipeline, r.stage, list(r.hosts)] for r in plan.reroutes]]
 
 
 def _unpack_plan(packed: list) -> Plan:
-    n_layers, micro_batch_size, pipelines, reroutes = packed
-    return Plan(n_layers, micro_batch_size,
-                tuple(Pipeline(tuple(Stage(tuple(devices), (lo, hi), Recompute(recompute))
-                                     for lo, hi, devices, recompute in stages), micro)
-                      for micro, stages in pipelines),
-                tuple(Reroute(j, s, tuple(hosts)) for j, s, hosts in reroutes))
+    n_layers, micro_batch_size, packed_pipelines, runs, reroutes = packed
+    devices, at, pipelines = _unruns(runs), 0, []
+    for micro, stages in packed_pipelines:
+        built = []
+        for lo, hi, width, recompute in stages:
+            built.append(Stage(devices[at:at + width], (lo, hi), Recompute(recompute)))
+            at += width
+        pipelines.append(Pipeline(tuple(built), micro))
+    if at != len(devices):
+        raise ValueError(f"a plan packed with {len(devices)} devices for stages that hold {at}")
+    return Plan(n_layers, micro_batch_size, tuple(pipelines), tuple(Reroute(j, s, tuple(hosts)) for j, s, hosts in reroutes))
+
+
+def _pack_spec(spec: GenerationSpec) -> list:
+    return [spec.generation, _pack_plan(spec.plan), _runs(spec.devices), spec.resume_step,
+            None if spec.manifest is None else _Packer().pack(spec.manifest), spec.checkpoint, _runs(spec.writers),
+            spec.moves, spec.evaluated]
+
+
+def _unpack_spec(packed: list) -> GenerationSpec:
+    generation, plan, devices, resume_step, manifest, checkpoint, writers, moves, evaluated = packed
+    return GenerationSpec(generation, _unpack_plan(plan), _unruns(devices), resume_step,
+                          None if manifest is None else _unpack_manifest(manifest), checkpoint, _unruns(writers), moves,
+                          evaluated)
 
 
 class _Packer:
@@ -593,11 +629,12 @@ def _unpack_node_synced(packed: list) -> NodeSynced:
 
 
 codec.register_packed(Plan, pack=_pack_plan, unpack=_unpack_plan)
+codec.register_packed(GenerationSpec, pack=_pack_spec, unpack=_unpack_spec)  # to every node: its devices as runs
 codec.register_packed(Synced, pack=_pack_synced, unpack=_unpack_synced)  # one a step from every device: packed flat
 codec.register_packed(NodeSynced, pack=_pack_node_synced, unpack=_unpack_node_synced)  # and one from every node
 codec.register_packed(Manifest, pack=lambda m: _Packer().pack(m), unpack=_unpack_manifest)
 codec.register(
-    Pipeline, Stage, Reroute, Move, Position, FaultSpec, GenerationSpec, CommitOrder,
+    Pipeline, Stage, Reroute, Move, Position, FaultSpec, CommitOrder,
     Moves, Publish, Begin, Commit, Flag, End, Standby, Ready, SelfTimed, Evaluated, CheckpointSaved, Failed, Damaged, Dying,
     FinalShards, Done,    Hello, Lease, NodeReady, NodeEvaluated, NodeSaved, Positions, Exited, Hung,
     Renew, Start, Inject, Noted, Probe, Welcome, Signal, Shutdown,
