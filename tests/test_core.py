@@ -556,6 +556,21 @@ def test_returning_devices_grow_the_job_at_a_step_boundary():
     assert told.devices == (2, 3) and told.plan is core.spec.plan and told.decision.choice
 
 
+def test_a_node_back_before_its_loss_is_decided_is_not_told_the_generation_that_still_lists_it():
+    """A node returns while the recovery from its loss is still decided: the newest generation lists its devices
+    (their workers would rebuild it alone and fail); it learns the recovery's, as every node does, once published."""
+    clock, decider = FakeClock(), ByHand()
+    core = started(core_of("policy.name=dynamic", clock=clock, decider=decider))
+    step(core, 0)
+    core.handle(Lost(1, "gone"))
+    out = core.handle(Registered(hello(core, 1, returning=True)))
+    assert of(out, Admit) and not sent(out, Publish)
+    decider.run()
+    out = core.handle(Tick())
+    (publish,) = sent(out, Publish)
+    assert publish.spec.generation == 1 and not publish.spec.device_set & {2, 3} and 1 in core.nodes
+
+
 def test_a_growth_onto_devices_back_is_decided_from_the_precomputed_plans():
     """Each generation's precompute also searches the shape over every unit with the devices away back: their
     return is decided with no planner search."""

@@ -27,8 +27,13 @@ from chameleon.report.compare import mismatches
 from chameleon.runtime.checkpoint import latest_checkpoint, whole_checkpoint
 
 STEPS = 150
+# No straggler verdicts: this job's step 32 is a gradient spike (norm 4.1) where a 1e-5 difference in the parameters
+# becomes 1e-3 in the losses after it (one process runs 2.5e-3 from dp2 × pp2 by step 33), so the resumed runs meet
+# the failure-free one only on its layout. On a busy CI host a healthy device was once found slow at step 7, and the
+# plan Eq. 8 moved to (evict, as reproduced with a slow fault) ran 1.2e-3 from it after step 32, nothing lost.
 JOB = (f"train.steps={STEPS}", "model.dim=64", "model.n_layers=4", "train.global_batch=8", "train.micro_batch=2",
-       "train.seq_len=32", "launcher.nproc_per_node=4", "parallel.dp=2", "parallel.pp=2", "failure=none")
+       "train.seq_len=32", "launcher.nproc_per_node=4", "parallel.dp=2", "parallel.pp=2", "failure=none",
+       "ft.slow=off")
 SHAPES = param_shapes(ModelConfig(dim=64, n_layers=4))
 
 

@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
 from conftest import SMALL_RUN, assert_nothing_lost, run_entry
 
+from chameleon.config import FaultToleranceConfig
 from chameleon.decision import estimator as est
 from chameleon.decision.config import PolicyConfig
 from chameleon.decision.planner import Planner
 from chameleon.decision.selector import decide, decide_slow, relayered
 from chameleon.faults.spec import FailureConfig, planned_faults
 from chameleon.layout.plan import even_plan, validate_plan
+from chameleon.runtime.control.reshape import Reshaper
 from chameleon.runtime.control.stragglers import Stragglers
-from chameleon.runtime.worker.device import compute_clock, self_test
+from chameleon.runtime.worker.device import SELF_TEST_RUNS, compute_clock, self_test
 from tests.test_decision_estimator import tiny_profile
 
 DP4 = even_plan(dp=4, pp=1, tp=1, n_layers=4, global_batch=16, micro_batch=1)  # 4 micro-batches per pipeline
@@ -119,6 +122,43 @@ def test_back_to_speed_a_device_the_plan_leaves_idle_is_taken_back_in():
     assert not next(c for c in d.candidates if c.name == "evict").feasible
 
 
+class Recorded:
+    """Planning that keeps the requests submitted to it (none runs: each decision stays under way)."""
+
+    def __init__(self):
+        self.requests = []
+
+    def submit(self, request) -> Future:
+        self.requests.append(request)
+        return Future()
+
+
+def test_all_back_to_speed_is_decided_on_only_where_the_plan_was_chosen_knowing_of_slow_devices():
+    """A blip found slow on a healthy job (a busy host) and decided on without a move: its end has nothing to undo,
+    and re-plans nothing. On a plan that started while a device was slow, its return is decided on (a move back may
+    pay)."""
+    planning = Recorded()
+    reshaper = Reshaper(FaultToleranceConfig(slow_window=2), planning, emit=lambda _: None)
+    reshaper.resident(tiny_profile(), DP4)
+
+    def steps(first: int, slow: dict[int, float]) -> None:
+        for step in (first, first + 1):
+            reshaper.judge(step, tuple((d, reshaper.work[d] * slow.get(d, 1.0)) for d in DP4.devices), float(step))
+            reshaper.consider(DP4, next_step=step + 1, times=[1.0], now=float(step), parcel=None, context=dict)
+
+    steps(0, {1: 3.0})
+    assert reshaper.slow == {1: pytest.approx(3.0)} and len(planning.requests) == 1
+    reshaper.cancel()  # decided: nothing moved
+    steps(2, {})
+    assert reshaper.slow == {} and len(planning.requests) == 1, "nothing to undo"
+    steps(4, {1: 3.0})
+    assert len(planning.requests) == 2
+    reshaper.cancel()
+    reshaper.resident(tiny_profile(), DP4)  # a generation begun while device 1 is slow: chosen knowing of it
+    steps(6, {})
+    assert reshaper.slow == {} and len(planning.requests) == 3 and planning.requests[-1].kwargs["speeds"] == {}
+
+
 @pytest.mark.parametrize("override, key", [({"factor": 0.5}, "failure.factor=0.5"), ({"rank": 9}, "failure.rank=9"),
                                            ({"duration_s": -1.0}, "failure.duration_s=-1.0"),
                                            ({"phase": "forward"}, "a step or at_s, no phase")])
@@ -136,7 +176,7 @@ def test_a_device_is_timed_on_its_own_clock_and_a_slow_one_counts_its_stretch():
     assert clock() - start < 0.01, "waiting (for a core, or for a peer) is not computing"
     took = []
     best = self_test(cpu, lambda s: took.append(s) or 3 * s)
-    assert len(took) == 3 and best == 3 * min(took) > 0
+    assert len(took) == SELF_TEST_RUNS and best == 3 * min(took) > 0
 
 
 class _StreamEvent:

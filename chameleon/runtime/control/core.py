@@ -329,7 +329,9 @@ class Core:
             self._record(event="node_joined" if not started else "node_returned", node=hello.node, host=hello.host,
                          pid=hello.pid, devices=list(hello.devices), time=self.clock.wall())
         if started:
-            if self.latest_publish is not None:  # the returning node's standby workers learn the newest generation
+            # the returning node's standby workers learn the newest generation; not one decided before their loss,
+            # which still lists them (the recovery's reaches them as every node)
+            if self.latest_publish is not None and not self.latest_publish.spec.device_set & set(hello.devices):
                 self._emit(Send(hello.node, self.latest_publish))
         elif len(self.nodes) == self.launcher.nnodes:
             self._open()

@@ -1,6 +1,8 @@
 """Training around slow devices: each steady step's pace judges every device (:class:`Stragglers`); a changed
 verdict is decided on in the planner's thread (Eq. 8: tolerate, rebalance, replan or evict); a move to a new
-plan switches at the next step boundary, and no new decision comes before it paid its transition."""
+plan switches at the next step boundary, and no new decision comes before it paid its transition. Every device
+back to speed is decided on only where the plan moved around slow ones: otherwise there is nothing to undo, and a
+blip found slow (a busy host) never re-plans a healthy job."""
 
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class Reshaper:
         self.roles: dict[int, tuple[int, int]] = {}  # each trainer's layers under the resident plan
         self.self_timed: dict[int, float] = {}  # idle members' slowdowns reported since the last commit
         self.due = False  # the verdict on slow devices changed since the last decision on it
+        self.around = False  # the resident plan was chosen knowing of slow devices (a move back may pay)
         self.after = 0  # no decision on slow devices before this step: the last one stands its cost's worth
         self.timeline: Reshape | None = None  # a decision under way, then its switch, until its first commit
         self.done: list[Reshape] = []
@@ -55,6 +58,7 @@ class Reshaper:
 
     def resident(self, profile: Profile, plan: Plan) -> None:
         """A generation started on ``plan``: its trainers' work and roles; paces are judged afresh."""
+        self.around = bool(self.slow)
         self.work = device_work(profile, plan)
         self.roles = {d: st.layers for p in plan.pipelines for st in p.stages for d in st.devices}
         if self.stragglers is not None:
@@ -73,10 +77,15 @@ class Reshaper:
         seen = self.stragglers.slowdowns(pace, self.roles) | self.self_timed
         self.self_timed = {}
         if self.stragglers.observe(seen):
-            self.due = True
+            self.due = self._undecided()
             slow = dict(self.stragglers.slow)
             self.emit(Record({"event": "slow", "step": step, "slow": _slow(slow), "time": now}))
             self.emit(SlowDevices(step, slow))
+
+    def _undecided(self) -> bool:
+        """Whether the verdict now asks for a decision: some device is slow, or all are back on a plan chosen knowing
+        of slow ones."""
+        return bool(self.slow) or self.around
 
     def forget(self, devices: set[int]) -> None:
         """Lost devices: no longer judged; what is still slow is decided afresh on the plan the recovery brings."""
@@ -106,7 +115,7 @@ class Reshaper:
             return None
         timeline = self.timeline
         if not search.stands(resident) or search.about != tuple(sorted(self.slow.items())):
-            self.timeline, self.due = None, True
+            self.timeline, self.due = None, self._undecided()
             return None
         outcome, parcels = search.future.result()
         timeline.t_decided = now

@@ -77,7 +77,7 @@ class Processes:
         self.workers: dict[int, _Worker] = {}
         self.spawning: set[int] = set()
         self.faults: dict[int, tuple[FaultSpec, ...]] = {}
-        self.restarts: dict[int, float] = {}
+        self.restarts: dict[int, tuple[float, int]] = {}  # a lost worker's: when, and the first generation it may join
         self.generation = 0
         self._ctx = forkserver()
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chameleon-spawn")
@@ -94,10 +94,10 @@ class Processes:
             if device not in self.spawning and (device not in self.workers or not self.workers[device].process.is_alive()):
                 self._spawn(device)
 
-    def _spawn(self, device: int) -> None:
+    def _spawn(self, device: int, first_generation: int = 0) -> None:
         self.spawning.add(device)
         spec = WorkerSpec(device, self.store_host, self.store_port, self.config, self.run_dir, self.node_addr,
-                          self.per_node, self.faults.get(device, ()))
+                          self.per_node, self.faults.get(device, ()), first_generation)
         self._spawner.submit(self._launch, spec)
 
     def _launch(self, spec: WorkerSpec) -> None:
@@ -165,8 +165,8 @@ class Processes:
         else:  # killed from outside: it was last seen alive at its last heartbeat
             t_fault, source = time.time() - (time.monotonic() - w.beat_t), "last heartbeat"
         self.report(Exited(device, self.generation, w.process.exitcode, w.beacon.position(), t_fault, source))
-        if self.rejoin_after_s is not None:
-            self.restarts[device] = time.monotonic() + self.rejoin_after_s
+        if self.rejoin_after_s is not None:  # back only in a generation decided after its loss
+            self.restarts[device] = (time.monotonic() + self.rejoin_after_s, self.generation + 1)
 
     def tick(self) -> None:
         """Pulse every board; find hung workers; note progress; restart lost ones whose re-join time came."""
@@ -184,10 +184,10 @@ class Processes:
                 w.hung = True
                 self.report(Hung(device, self.generation, w.beacon.position(), now - w.beat_t,
                                  time.time() - (now - w.beat_t)))
-        for device, due in list(self.restarts.items()):
+        for device, (due, first_generation) in list(self.restarts.items()):
             if now >= due:
                 del self.restarts[device]
-                self._spawn(device)
+                self._spawn(device, first_generation)
 
     # ----- orders ---------------------------------------------------------------------------------
 

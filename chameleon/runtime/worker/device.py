@@ -93,16 +93,18 @@ def compute_clock(device: torch.device) -> Callable[[], float]:
 
 
 SELF_TEST_SIDE = 128  # the self-test multiplies matrices this wide (a tenth of a millisecond on a CPU core)
+SELF_TEST_RUNS = 20  # ... this many times, the fastest kept: a run's warm-up or a busy host's blip never reads as slow
 
 
-def self_test(device: torch.device, pace: Callable[[float], float] | None = None, *, runs: int = 3) -> float:
-    """Seconds of a fixed piece of work on ``device`` (:func:`compute_clock`): the fastest of ``runs`` runs of
-    four matmuls, each paced by ``pace(seconds)`` as a forward is (a slow fault stretches it). An idle device's
-    speed, against its own at start."""
+def self_test(device: torch.device, pace: Callable[[float], float] | None = None) -> float:
+    """Seconds of a fixed piece of work on ``device`` (:func:`compute_clock`): the fastest of ``SELF_TEST_RUNS`` runs
+    of four matmuls, each paced by ``pace(seconds)`` as a forward is (a slow fault stretches it). An idle device's
+    speed, against its own at start (timed the same way: the fastest of three read 1.2–1.3 × its start's fastest of
+    twenty on this host, 1.8 × under load, and an idle device was found slow that was not)."""
     clock = compute_clock(device)
     a = torch.randn(SELF_TEST_SIDE, SELF_TEST_SIDE, device=device)
     best = float("inf")
-    for _ in range(runs):
+    for _ in range(SELF_TEST_RUNS):
         start = clock()
         b = a
         for _ in range(4):

@@ -100,6 +100,7 @@ class WorkerSpec:
     node_addr: str | None
     nproc_per_node: int
     faults: tuple[FaultSpec, ...]
+    first_generation: int = 0  # a restarted worker's: generations before it still count it a member
 
 
 class _Uplink:
@@ -232,14 +233,14 @@ def _run(spec: WorkerSpec, uplink: _Uplink, inbox: Inbox, beacon: Beacon) -> Non
     faults = WorkerFaults(list(spec.faults), device=me, beacon=beacon, node_of=topology.node_of,
                           announce=announce)
     confirm_s = Timeouts.of(cfg).confirm_s
-    base_s = self_test(device, runs=20)  # its speed at start (the fastest of many runs, while the host starts up)
+    base_s = self_test(device)  # its speed at start
 
     def self_timed(generation: int, step: int) -> None:
         if cfg.ft.slow == SlowPolicy.on:
             uplink.send(SelfTimed(me, generation, step, self_test(device, faults.pace) / base_s))
 
     state: StageState | None = None
-    generation, member, compute_s, previous, done = 0, False, [], None, False
+    generation, member, compute_s, previous, done = spec.first_generation, False, [], None, False
     while True:
         beacon.at("standby")
         gen_spec = pushed.next_spec(generation, me, was_member=member, standby=lambda g: uplink.send(Standby(me, g)))
