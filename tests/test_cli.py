@@ -70,6 +70,7 @@ def test_train_refuses(overrides, expected):
     (("plan.failed=[1,1]",), "names a device twice"),
     (("plan.checkpoint_age_s=-5",), "plan.checkpoint_age_s=-5"),
     (("policy.name=magic",), "policy.name='magic'"),
+    (("parallel.pp=-3",), "parallel.pp=-3: must be ≥ 1"),
 ])
 def test_plan_refuses(overrides, expected):
     assert expected in refusal("plan", *overrides)

@@ -206,6 +206,9 @@ def even_plan(*, dp: int, pp: int, tp: int, n_layers: int, global_batch: int, mi
     """The failure-free plan from ``parallel.dp/pp/tp``: pipeline ``j`` owns a contiguous rank block, every stage
     under ``recompute``."""
     n_micro = _micro_batch_count(global_batch, micro_batch)
+    for key, value in (("dp", dp), ("pp", pp), ("tp", tp)):
+        if value < 1:
+            raise PlanError(f"parallel.{key}={value}: must be ≥ 1")
     if pp > n_layers:
         raise PlanError(f"parallel.pp={pp} exceeds model.n_layers={n_layers}: use at most one stage per layer")
     if n_micro % dp:
