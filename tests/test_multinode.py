@@ -26,9 +26,11 @@ from chameleon.runtime.protocol.position import Position
 
 NODES = 3
 # Six workers on three nodes: three pipelines of two stages, one pipeline per node.
+# No straggler verdicts: these tests hold the job to one host's bits and to the plans their faults and growths chose;
+# six workers share 2 cores, and on a busy host a device was once found slow after a growth and planned around.
 JOB = ("model.dim=64", "model.n_layers=4", "train.global_batch=12", "train.micro_batch=2", "train.seq_len=32",
        "train.clip_norm=0", "train.lr_schedule=constant", "train.warmup_steps=0", "ckpt=none",
-       "ft.heartbeat_timeout_s=2.0", "report.plots=false")
+       "ft.heartbeat_timeout_s=2.0", "report.plots=false", "ft.slow=off")
 LAYOUT = ("launcher.nproc_per_node=2", "parallel.dp=3", "parallel.pp=2")
 ONE_HOST = ("launcher.nproc_per_node=6", "parallel.dp=3", "parallel.pp=2")  # the same devices on one host
 # LONG outlasts an agent restarted from scratch (a Python start, torch, the forkserver): ~20 s of steps here.
@@ -81,7 +83,7 @@ def assert_clean(cluster: Cluster, run: Run, reference: tuple[Run, Drift]) -> di
 @pytest.mark.full
 def test_three_nodes_train_exactly_as_one_host(tmp_path, long_reference):
     """Failure-free, the same layout over three hosts does the same arithmetic as on one: the same bits."""
-    cluster = Cluster(tmp_path, *LONG, "failure=none")  # six workers on 2 cores: none may look slow
+    cluster = Cluster(tmp_path, *LONG, "failure=none")
     run = cluster.train()
     assert run.returncode == 0, run.stderr
     one_host = long_reference[0]
