@@ -17,13 +17,11 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from chameleon.data.stream import Pack
 from chameleon.decision.config import ClusterConfig, PlanQueryConfig, PolicyConfig
 from chameleon.faults.spec import FailureConfig, planned_faults
-from chameleon.layout.plan import Plan, PlanError, even_plan, plan_from_spec
+from chameleon.layout.plan import Plan, PlanError, Recompute, even_plan, plan_from_spec
 from chameleon.model.config import ModelConfig
-from chameleon.model.spec import Recompute
-from chameleon.optim import LrSchedule
+from chameleon.schedule import LrSchedule
 from chameleon.sim.config import SimConfig, TraceConfig
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -117,6 +115,13 @@ class TrainConfig:
     # Validation loss every eval_interval steps and after the last (0: never), over eval_batches global batches.
     eval_interval: int = 25
     eval_batches: int = 2
+
+
+class Pack(StrEnum):
+    """``data.pack``: windows over the concatenated documents, or windows none of which straddles two."""
+
+    window = "window"
+    document = "document"
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""AdamW, global-norm clipping and learning-rate schedules as pure functions over parameter trees.
+"""AdamW and global-norm clipping as pure functions over parameter trees (the learning rate: :mod:`chameleon.schedule`).
 
 A tree is a flat ``{name: Tensor}`` dict, as the model's parameters are. Nothing here
 mutates its inputs or holds state: the optimizer state (``exp_avg``, ``exp_avg_sq``)
@@ -12,22 +12,13 @@ multi-tensor ops (``torch._foreach_*``): one launch per operation for a whole st
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
-from enum import StrEnum
 
 import torch
 from torch import Tensor
 
 Tree = Mapping[str, Tensor]
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-class LrSchedule(StrEnum):
-    """``train.lr_schedule``: constant, or cosine by global step after the linear warm-up."""
-
-    constant = "constant"
-    cosine = "cosine"
 
 
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
@@ -141,37 +132,6 @@ def scale_(tensors: list[Tensor], factor: float) -> None:
     """Every tensor times ``factor``, in place, as one multi-tensor op (nothing to do when ``factor == 1``)."""
     if factor != 1.0:
         torch._foreach_mul_(tensors, factor)
-
-
-def learning_rate(
-    step: int, *, lr: float, schedule: str, warmup_steps: int, total_steps: int, min_lr: float
-) -> float:
-    """The learning rate of global step ``step`` (0-based).
-
-    Linear warm-up over the first ``warmup_steps`` steps (step ``k`` uses
-    ``lr · (k + 1) / warmup_steps``), then ``constant`` keeps ``lr`` and ``cosine``
-    decays from ``lr`` to ``min_lr`` along half a cosine over the remaining steps.
-
-    Raises:
-        ValueError: an unknown schedule.
-    """
-    if schedule not in list(LrSchedule):
-        raise ValueError(f"train.lr_schedule={schedule!r}: use one of {', '.join(LrSchedule)}")
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if schedule == "constant":
-        return lr
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def schedule_of(train) -> dict:
-    """The :func:`learning_rate` keywords of a ``train`` config (``chameleon.config.TrainConfig``)."""
-    return {
-        "lr": train.lr, "schedule": train.lr_schedule, "warmup_steps": train.warmup_steps,
-        "total_steps": train.steps, "min_lr": train.min_lr,
-    }
 
 
 def hyperparameters(train) -> dict:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,12 @@ def test_the_rule_reads_lazy_imports_and_names_imported_from_a_package(tmp_path)
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from chameleon.runtime import node\n    import socket\n")
     assert {"chameleon.runtime.node", "socket"} <= imports_of(module)
+
+
+def test_the_training_entry_point_reads_and_refuses_its_config_without_loading_torch():
+    """A refusal or ``--help`` of ``chameleon.train`` answers in about a second: its module, the CLI and the config
+    (every room's config and vocabulary) load no torch, which takes seconds to import."""
+    probe = ("import sys, chameleon.train, chameleon.cli, chameleon.config\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

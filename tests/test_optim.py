@@ -10,7 +10,8 @@ import torch
 from chameleon.model.config import ModelConfig
 from chameleon import optim
 from chameleon.model.llama import LLAMA
-from chameleon.optim import adamw, clip_coefficient, init_moments, learning_rate, scale_, sum_of_squares
+from chameleon.optim import adamw, clip_coefficient, init_moments, scale_, sum_of_squares
+from chameleon.schedule import learning_rate
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16)
 HP = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}

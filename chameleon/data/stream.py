@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from enum import StrEnum
 from importlib import resources
 from pathlib import Path
 
@@ -28,13 +27,6 @@ VOCAB_SIZE = 256
 SPLIT_SEED = 0x5EED  # the validation split and its windows depend on the corpus alone, not on train.seed
 _MASK64 = (1 << 64) - 1
 _PARAGRAPH = re.compile(rb"\n[ \t\r]*\n\s*")
-
-
-class Pack(StrEnum):
-    """``data.pack``: windows over the concatenated documents, or windows none of which straddles two."""
-
-    window = "window"
-    document = "document"
 
 
 def encode(text: str) -> torch.Tensor:

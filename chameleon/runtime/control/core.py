@@ -36,7 +36,7 @@ from chameleon.faults.spec import FaultSpec, Injector, controller_faults
 from chameleon.layout.geometry import geometry_of
 from chameleon.layout.plan import Plan
 from chameleon.layout.relayout import Manifest
-from chameleon.optim import learning_rate, schedule_of
+from chameleon.schedule import learning_rate, schedule_of
 from chameleon.report.breakdown import Span
 from chameleon.runtime.control.background import Background
 from chameleon.runtime.control.detector import Detector

@@ -15,17 +15,9 @@ from chameleon.layout.spec import Region, local_slices, placements_for, shard_re
 from chameleon.model.config import ModelConfig
 from chameleon.model.hf import hf_checkpoint, load_hf
 from chameleon.model.spec import spec_of
-from chameleon.optim import (
-    adamw_,
-    clip_coefficient,
-    hyperparameters,
-    init_moments,
-    learning_rate,
-    scale_,
-    schedule_of,
-    sum_of_squares,
-)
+from chameleon.optim import adamw_, clip_coefficient, hyperparameters, init_moments, scale_, sum_of_squares
 from chameleon.runtime.checkpoint import checksum
+from chameleon.schedule import learning_rate, schedule_of
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.dtype → the forward's dtype
